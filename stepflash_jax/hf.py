@@ -1,0 +1,182 @@
+"""Hugging Face checkpoint interop: safetensors in the released Step3p5 layout <-> our variables.
+
+Torch Linear weights are [out, in]; our kernels are [in..., out...] (experts: [E, in, out]). Norm weights are w
+of the 1 + w convention on both sides. MTP module k is HF layer `num_layers + k`. Scanned layers are un/stacked.
+`load(save(x))` reproduces x exactly: dtypes are kept as stored (config.param_dtype follows them).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors.flax import load_file, save_file
+
+from stepflash_jax import config as config_lib
+from stepflash_jax import model as model_lib
+
+# (our sub-path inside a decoder layer, HF suffix, number of leading batch axes, number of input axes or None=copy)
+_LAYER = [
+    (("params", "input_norm", "scale"), "input_layernorm.weight", 0, None),
+    (("params", "post_attn_norm", "scale"), "post_attention_layernorm.weight", 0, None),
+    (("params", "attn", "q_proj", "kernel"), "self_attn.q_proj.weight", 0, 1),
+    (("params", "attn", "k_proj", "kernel"), "self_attn.k_proj.weight", 0, 1),
+    (("params", "attn", "v_proj", "kernel"), "self_attn.v_proj.weight", 0, 1),
+    (("params", "attn", "g_proj", "kernel"), "self_attn.g_proj.weight", 0, 1),
+    (("params", "attn", "o_proj", "kernel"), "self_attn.o_proj.weight", 0, 2),
+    (("params", "attn", "q_norm", "scale"), "self_attn.q_norm.weight", 0, None),
+    (("params", "attn", "k_norm", "scale"), "self_attn.k_norm.weight", 0, None),
+]
+_DENSE = [((("params", "mlp", p, "kernel")), f"mlp.{p}.weight", 0, 1) for p in ("gate_proj", "up_proj", "down_proj")]
+_MOE = [
+    (("params", "moe", "router", "kernel"), "moe.gate.weight", 0, 1),
+    (("router", "moe", "router_bias"), "moe.router_bias", 0, None),
+] + [(("params", "moe", p, "kernel"), f"moe.{p}.weight", 1, 1) for p in ("gate_proj", "up_proj", "down_proj")] \
+  + [(("params", "moe", "shared", p, "kernel"), f"share_expert.{p}.weight", 0, 1)
+     for p in ("gate_proj", "up_proj", "down_proj")]
+
+
+def layout(args):
+  """[(hf_name, collection, path tuple in that collection, stack index or None, batch axes, input axes)]."""
+  out = []
+  def add(hf, full, stack, nb, nin):
+    out.append((hf, full[0], full[1:], stack, nb, nin))
+  start, period, n = args.scan if args.scan else (len(args.layers), 0, 0)
+  for i, spec in enumerate(args.layers):
+    if start <= i < start + period * n:
+      prefix, stack = ("blocks", f"sub_{(i - start) % period}"), (i - start) // period
+    else:
+      prefix, stack = (f"layer_{i}",), None
+    for sub, hf, nb, nin in _LAYER + (_MOE if spec.moe else _DENSE):
+      add(f"model.layers.{i}.{hf}", (sub[0],) + prefix + sub[1:], stack, nb, nin)
+  add("model.embed_tokens.weight", ("params", "embed", "embedding"), None, 0, None)
+  add("model.norm.weight", ("params", "final_norm", "scale"), None, 0, None)
+  add("lm_head.weight", ("params", "lm_head", "kernel"), None, 0, 1)
+  for k in range(len(args.mtp_layers)):
+    base, m = f"model.layers.{len(args.layers) + k}", f"mtp_{k}"
+    add(f"{base}.enorm.weight", ("params", m, "enorm", "scale"), None, 0, None)
+    add(f"{base}.hnorm.weight", ("params", m, "hnorm", "scale"), None, 0, None)
+    add(f"{base}.eh_proj.weight", ("params", m, "eh_proj", "kernel"), None, 0, 1)
+    add(f"{base}.transformer.shared_head.norm.weight", ("params", m, "final_norm", "scale"), None, 0, None)
+    add(f"{base}.transformer.shared_head.output.weight", ("params", m, "head", "kernel"), None, 0, 1)
+    for sub, hf, nb, nin in _LAYER + _DENSE:
+      add(f"{base}.{hf}", (sub[0], m, "layer") + sub[1:], None, nb, nin)
+  return out
+
+
+def _to_hf(x, nb, nin):
+  if nin is None:
+    return x
+  s = x.shape
+  x = x.reshape(s[:nb] + (math.prod(s[nb:nb + nin]), math.prod(s[nb + nin:])))
+  return jnp.swapaxes(x, -1, -2)
+
+
+def _hf_shape(shape, nb, nin):
+  if nin is None:
+    return tuple(shape)
+  return tuple(shape[:nb]) + (math.prod(shape[nb + nin:]), math.prod(shape[nb:nb + nin]))
+
+
+def _get(tree, path):
+  for p in path:
+    tree = tree[p]
+  return tree
+
+
+def _set(tree, path, value):
+  for p in path[:-1]:
+    tree = tree.setdefault(p, {})
+  tree[path[-1]] = value
+
+
+def save_hf_checkpoint(cfg, variables, path: str, max_shard_bytes: int = 4 << 30) -> None:
+  """Write config.json + model.safetensors (or shards + model.safetensors.index.json) in the HF layout."""
+  if isinstance(cfg, config_lib.ModelArgs):
+    raise ValueError("save_hf_checkpoint: cfg must be the model ConfigDict (it is written as config.json)")
+  args = model_lib.as_args(cfg)
+  os.makedirs(path, exist_ok=True)
+  tensors = {}
+  for hf, col, p, stack, nb, nin in layout(args):
+    x = _get(variables[col], p)
+    tensors[hf] = jnp.asarray(_to_hf(x if stack is None else x[stack], nb, nin))
+  hf_cfg = config_lib.to_hf_config(cfg)
+  shards, cur, size = [], {}, 0
+  for name, t in tensors.items():
+    if cur and size + t.nbytes > max_shard_bytes:
+      shards.append(cur)
+      cur, size = {}, 0
+    cur[name], size = t, size + t.nbytes
+  shards.append(cur)
+  tmp = path + ".tmp_write"
+  os.makedirs(tmp, exist_ok=True)
+  if len(shards) == 1:
+    save_file(shards[0], os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+  else:
+    weight_map = {}
+    for s, shard in enumerate(shards):
+      fn = f"model-{s + 1:05d}-of-{len(shards):05d}.safetensors"
+      save_file(shard, os.path.join(tmp, fn), metadata={"format": "pt"})
+      weight_map.update({k: fn for k in shard})
+    with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+      json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}, f,
+                indent=1)
+  with open(os.path.join(tmp, "config.json"), "w") as f:
+    json.dump(hf_cfg, f, indent=1)
+  for fn in os.listdir(tmp):        # files land complete: each is renamed into place after being written
+    os.replace(os.path.join(tmp, fn), os.path.join(path, fn))
+  os.rmdir(tmp)
+
+
+def _read_tensors(path: str) -> dict:
+  index = os.path.join(path, "model.safetensors.index.json")
+  if os.path.exists(index):
+    with open(index) as f:
+      files = sorted(set(json.load(f)["weight_map"].values()))
+  else:
+    files = sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors"))
+  if not files:
+    raise ValueError(f"{path}: no *.safetensors files")
+  tensors = {}
+  for fn in files:
+    tensors.update(load_file(os.path.join(path, fn)))
+  return tensors
+
+
+def load_hf_checkpoint(path: str, **config_overrides):
+  """Directory with config.json + *.safetensors (single or sharded) -> (cfg, variables)."""
+  with open(os.path.join(path, "config.json")) as f:
+    cfg = config_lib.from_hf_config(json.load(f))
+  tensors = _read_tensors(path)
+  dtypes = {str(t.dtype) for n, t in tensors.items() if "router" not in n and "gate.weight" not in n}
+  if len(dtypes) == 1:
+    cfg.param_dtype = dtypes.pop()
+  cfg.update(config_overrides)
+  args = config_lib.model_args(cfg)
+  abstract = model_lib.abstract_variables(args)
+  entries = layout(args)
+  expected = {hf for hf, *_ in entries}
+  missing = sorted(expected - set(tensors))
+  extra = sorted(set(tensors) - expected)
+  if missing:
+    raise ValueError(f"{path}: missing tensor '{missing[0]}'" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
+  if extra:
+    raise ValueError(f"{path}: unexpected tensor '{extra[0]}'" + (f" (+{len(extra) - 1} more)" if len(extra) > 1 else ""))
+  staged = {}
+  for hf, col, p, stack, nb, nin in entries:
+    leaf = _get(abstract[col], p)
+    shape = leaf.shape if stack is None else leaf.shape[1:]
+    want = _hf_shape(shape, nb, nin)
+    t = tensors[hf]
+    if tuple(t.shape) != want:
+      raise ValueError(f"tensor '{hf}' has shape {tuple(t.shape)}, expected {want}")
+    x = t if nin is None else jnp.swapaxes(t, -1, -2).reshape(shape)
+    staged.setdefault((col, p), {})[stack] = x
+  variables = {}
+  for (col, p), parts in staged.items():
+    x = parts[None] if None in parts else jnp.stack([parts[b] for b in range(len(parts))])
+    _set(variables, (col,) + p, x)
+  return cfg, variables

@@ -1,0 +1,74 @@
+"""Model entry points: build, init, apply, and the logical-axis tree of the parameters.
+
+Variables are a plain dict pytree {"params": ..., "router": ...}: "params" carries gradients, "router" holds the
+MoE selection biases (updated by the aux-loss-free rule, never by gradients).
+"""
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from stepflash_jax import config as config_lib
+from stepflash_jax.config import ModelArgs
+from stepflash_jax.model.cache import init_cache
+from stepflash_jax.model.transformer import Transformer
+
+COLLECTIONS = ("params", "router")
+
+
+def as_args(cfg) -> ModelArgs:
+  return cfg if isinstance(cfg, ModelArgs) else config_lib.model_args(cfg)
+
+
+def build(cfg, head: str = "lm") -> Transformer:
+  return Transformer(as_args(cfg), head=head)
+
+
+def _boxed_init(cfg, rng, head):
+  tokens = jnp.zeros((1, 4), jnp.int32)
+  v = build(cfg, head).init(rng, tokens, mtp=(head == "lm"))
+  return {k: v[k] for k in COLLECTIONS if k in v}
+
+
+def init(cfg, rng, head: str = "lm"):
+  """Random variables {"params", "router"} (router biases zero)."""
+  args = as_args(cfg)
+  return jax.jit(lambda r: nn.meta.unbox(_boxed_init(args, r, head)))(rng)
+
+
+def abstract_variables(cfg, head: str = "lm"):
+  """ShapeDtypeStructs of the variables without allocating anything."""
+  args = as_args(cfg)
+  return nn.meta.unbox(jax.eval_shape(lambda: _boxed_init(args, jax.random.key(0), head)))
+
+
+def logical_axes(cfg, head: str = "lm"):
+  """The logical axis names of every variable, as a tree of jax.sharding.PartitionSpec."""
+  args = as_args(cfg)
+  return nn.get_partition_spec(jax.eval_shape(lambda: _boxed_init(args, jax.random.key(0), head)))
+
+
+def apply(cfg, variables, tokens, *, positions=None, segment_ids=None, mtp=False, head="lm", stats=False,
+          cache=None, cache_index=None):
+  """Run the model. Returns the output dict (and the sown "moe_stats" tree if stats=True)."""
+  model = build(cfg, head)
+  variables = {k: variables[k] for k in COLLECTIONS if k in variables}
+  if stats:
+    out, st = model.apply(variables, tokens, positions, segment_ids, cache, cache_index, mtp,
+                          mutable=["moe_stats"])
+    return out, st.get("moe_stats", {})
+  return model.apply(variables, tokens, positions, segment_ids, cache, cache_index, mtp)
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_logits(args):
+  return jax.jit(lambda v, t: apply(args, v, t)["logits"])
+
+
+def forward(cfg, params, input_ids):
+  """int32 [B, T] -> float32 [B, T, vocab] logits of the main head (compute dtype from the config)."""
+  input_ids = jnp.asarray(input_ids)
+  if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
+    raise ValueError(f"input_ids must be an integer array [B, T], got {input_ids.dtype} {input_ids.shape}")
+  return _jit_logits(as_args(cfg))(params, input_ids.astype(jnp.int32))

@@ -1,0 +1,102 @@
+"""Attention of one decoder layer (STEP35.md §1).
+
+q/k/v/g projections from the normed input, per-head zero-centred QK-norm *before* RoPE (one weight [D] shared by
+the heads), partial NeoX RoPE, GQA attention (sliding window or full causal) through
+`ops.sliding_window_attention`, a head-wise sigmoid gate g = sigmoid(x W_g) scaling each head, then o_proj.
+No biases, no sinks.
+
+Two call modes:
+  * training / scoring: `cache=None`, attention over the given sequence (segment ids honoured);
+  * cached (prefill and decode): `cache` = {"k", "v": [B, S, Hkv, D], "pos": [B, S] int32 (-1 = empty)}, new
+    tokens are written at columns `cache_index + t` (slot = column % S: a ring buffer when S < total length, as in
+    sliding-window layers). Keys are the old cache plus the new tokens, masked by their stored positions.
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from stepflash_jax import ops
+from stepflash_jax.model.mlp import Weight
+from stepflash_jax.model.norms import RMSNorm
+from stepflash_jax.model.rope import apply_rope
+
+NEG = -1e30
+
+
+def cached_attention(q, k, v, q_pos, k_pos, window):
+  """Dense masked GQA attention used by the cached path, fp32.
+
+  q [B, Tq, Hq, D], k/v [B, S, Hkv, D], q_pos [B, Tq], k_pos [B, S] (-1 = empty slot) -> [B, Tq, Hq, D].
+  Key j is visible from query i iff 0 <= k_pos[j] <= q_pos[i] and q_pos[i] - k_pos[j] < window.
+  """
+  B, Tq, Hq, D = q.shape
+  Hkv = k.shape[2]
+  qg = q.astype(jnp.float32).reshape(B, Tq, Hkv, Hq // Hkv, D) * D ** -0.5
+  s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32))
+  qp, kp = q_pos[:, :, None], k_pos[:, None, :]
+  vis = (kp >= 0) & (kp <= qp)
+  if window is not None:
+    vis &= qp - kp < window
+  s = jnp.where(vis[:, None, None], s, NEG)
+  p = jax.nn.softmax(s, axis=-1)
+  o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
+  return o.reshape(B, Tq, Hq, D).astype(q.dtype)
+
+
+def write_cache(cache, k, v, pos, index):
+  """Write new k/v [B, Tn, Hkv, D] and positions [B, Tn] at columns index..index+Tn-1 (slot = column % S)."""
+  S, Tn = cache["pos"].shape[1], k.shape[1]
+  if Tn > S:   # only the last S new tokens can survive in the ring
+    k, v, pos, index, Tn = k[:, -S:], v[:, -S:], pos[:, -S:], index + Tn - S, S
+  slots = (index + jnp.arange(Tn)) % S
+  return {"k": cache["k"].at[:, slots].set(k.astype(cache["k"].dtype)),
+          "v": cache["v"].at[:, slots].set(v.astype(cache["v"].dtype)),
+          "pos": cache["pos"].at[:, slots].set(pos)}
+
+
+class Attention(nn.Module):
+  hidden: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  window: int | None
+  inv_freq: tuple
+  eps: float = 1e-5
+  init_std: float = 0.02
+  implementation: str = "xla"
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, positions, segment_ids=None, cache=None, cache_index=None):
+    """x [B, T, H] (already normed), positions [B, T] -> ([B, T, H], new cache or None)."""
+    H, Hq, Hkv, D = self.hidden, self.num_heads, self.num_kv_heads, self.head_dim
+    kw = dict(init_std=self.init_std, dtype=self.dtype, param_dtype=self.param_dtype)
+    x = x.astype(self.dtype)
+    q = jnp.einsum("bth,hnd->btnd", x, Weight((H, Hq, D), ("embed", "heads", "head_dim"), name="q_proj", **kw)())
+    k = jnp.einsum("bth,hnd->btnd", x, Weight((H, Hkv, D), ("embed", "kv_heads", "head_dim"), name="k_proj", **kw)())
+    v = jnp.einsum("bth,hnd->btnd", x, Weight((H, Hkv, D), ("embed", "kv_heads", "head_dim"), name="v_proj", **kw)())
+    g = jnp.einsum("bth,hn->btn", x, Weight((H, Hq), ("embed", "heads"), name="g_proj", **kw)(),
+                   preferred_element_type=jnp.float32)
+    norm = dict(eps=self.eps, axis_name="head_dim", dtype=self.dtype, param_dtype=self.param_dtype)
+    q = apply_rope(RMSNorm(name="q_norm", **norm)(q), positions, self.inv_freq)
+    k = apply_rope(RMSNorm(name="k_norm", **norm)(k), positions, self.inv_freq)
+    q = nn.with_logical_constraint(q, ("batch", "length", "heads", "head_dim"))
+    k = nn.with_logical_constraint(k, ("batch", "length", "kv_heads", "head_dim"))
+    v = nn.with_logical_constraint(v, ("batch", "length", "kv_heads", "head_dim"))
+
+    new_cache = None
+    if cache is None:
+      o = ops.sliding_window_attention(q, k, v, window=self.window, segment_ids=segment_ids,
+                                       implementation=self.implementation)
+    else:
+      valid = jnp.ones(positions.shape, bool) if segment_ids is None else segment_ids > 0
+      pos = jnp.where(valid, positions, -1).astype(jnp.int32)
+      o = cached_attention(q, jnp.concatenate([cache["k"].astype(k.dtype), k], 1),
+                           jnp.concatenate([cache["v"].astype(v.dtype), v], 1),
+                           pos, jnp.concatenate([cache["pos"], pos], 1), self.window)
+      new_cache = write_cache(cache, k, v, pos, cache_index)
+    o = o * jax.nn.sigmoid(g)[..., None].astype(o.dtype)            # head-wise output gate
+    out = jnp.einsum("btnd,ndh->bth", o.astype(self.dtype),
+                     Weight((Hq, D, H), ("heads", "head_dim", "embed"), name="o_proj", **kw)())
+    return out, new_cache

@@ -1,0 +1,40 @@
+"""KV caches for the rollout engine: a full cache for full-attention layers, a ring buffer for sliding-window ones.
+
+Per layer: {"k", "v": [B, S, Hkv, D], "pos": [B, S] int32 (-1 = empty)}. S = the total length for full-attention
+layers and min(total, window + lookahead) for sliding-window layers, so SWA memory is proportional to the window.
+`lookahead` (= the number of tokens written per verify step minus one, e.g. 3 for MTP-3 drafts) keeps entries
+still in a query's window from being overwritten by tokens written in the same call.
+The tree mirrors the parameter tree: layer_{i}, blocks/sub_{j} (stacked over blocks) and mtp_{k}.
+"""
+import jax
+import jax.numpy as jnp
+
+from stepflash_jax.config import LayerSpec, ModelArgs
+
+
+def _layer_cache(a: ModelArgs, spec: LayerSpec, batch, length, lookahead, dtype, stack=None):
+  S = length if spec.window is None else min(length, spec.window + lookahead)
+  lead = () if stack is None else (stack,)
+  return {"k": jnp.zeros(lead + (batch, S, a.num_kv_heads, a.head_dim), dtype),
+          "v": jnp.zeros(lead + (batch, S, a.num_kv_heads, a.head_dim), dtype),
+          "pos": jnp.full(lead + (batch, S), -1, jnp.int32)}
+
+
+def init_cache(a: ModelArgs, batch: int, length: int, lookahead: int = 0, dtype=None, mtp: bool = False):
+  """Empty caches for `batch` rows of at most `length` columns (prompt + generated)."""
+  dtype = dtype or a.dtype
+  start, period, n = a.scan if a.scan else (len(a.layers), 0, 0)
+  cache = {}
+  for i, spec in enumerate(a.layers):
+    if not start <= i < start + period * n:
+      cache[f"layer_{i}"] = _layer_cache(a, spec, batch, length, lookahead, dtype)
+  if n:
+    cache["blocks"] = {f"sub_{j}": _layer_cache(a, a.layers[start + j], batch, length, lookahead, dtype, stack=n)
+                       for j in range(period)}
+  if mtp:
+    cache["mtp"] = [_layer_cache(a, s, batch, length, lookahead, dtype) for s in a.mtp_layers]
+  return cache
+
+
+def cache_bytes(cache) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))

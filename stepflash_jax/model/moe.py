@@ -1,0 +1,87 @@
+"""Mixture of experts FFN (STEP35.md §1): sigmoid router in fp32, bias-for-selection-only, shared expert.
+
+  s = sigmoid(x W_router)                         [N, E], fp32
+  chosen = top_k(s + router_bias)                 router_bias: collection "router", not trained by gradients
+  w = s[chosen] / sum(s[chosen]) * routed_scaling_factor     (the *unbiased* scores, renormalised)
+  y = sum_k w_k * Expert_{chosen_k}(x) + SharedExpert(x)      (shared expert always on, unscaled)
+
+Dropless: tokens are sorted by expert and the experts run as grouped matmuls (`ops.grouped_matmul`), whose cost
+scales with the routed rows, not with the number of experts. Statistics for load balancing and routing
+confidence are sown into the "moe_stats" collection (`apply(..., mutable=["moe_stats"])`).
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from stepflash_jax import ops
+from stepflash_jax.model.mlp import MLP, Weight, clamped_swiglu
+
+
+def route(x, router_kernel, router_bias, top_k: int, scaling: float, renormalize: bool = True):
+  """x [N, H] -> (scores [N, E] fp32, chosen [N, k] int32, weights [N, k] fp32)."""
+  logits = jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32), precision="highest")
+  scores = jax.nn.sigmoid(logits)
+  _, chosen = jax.lax.top_k(scores + router_bias.astype(jnp.float32), top_k)
+  w = jnp.take_along_axis(scores, chosen, axis=-1)
+  if renormalize:
+    w = w / (jnp.sum(w, -1, keepdims=True) + 1e-20)
+  return scores, chosen.astype(jnp.int32), w * scaling
+
+
+def expert_ffn(x, chosen, wg, wu, wd, limit, implementation):
+  """Routed experts for x [N, H], chosen [N, k] -> [N, k, H] (each token's output from each chosen expert)."""
+  N, k = chosen.shape
+  E = wg.shape[0]
+  flat = chosen.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  rows = x[order // k]                                                   # [N*k, H] sorted by expert
+  sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
+  gmm = lambda a, w: ops.grouped_matmul(a, w, sizes, implementation=implementation)
+  h = clamped_swiglu(gmm(rows, wg), gmm(rows, wu), limit).astype(x.dtype)
+  y = gmm(h, wd)                                                         # [N*k, H]
+  return jnp.zeros_like(y).at[order].set(y).reshape(N, k, -1)
+
+
+class MoE(nn.Module):
+  hidden: int
+  num_experts: int
+  top_k: int
+  width: int
+  shared_width: int
+  routed_scaling_factor: float = 3.0
+  renormalize: bool = True
+  init_std: float = 0.02
+  implementation: str = "xla"
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, token_mask=None, limit=0.0, shared_limit=0.0):
+    """x [B, T, H], token_mask [B, T] (1 = real token; statistics only) -> [B, T, H]."""
+    B, T, H = x.shape
+    E, F = self.num_experts, self.width
+    kw = dict(init_std=self.init_std, dtype=self.dtype, param_dtype=self.param_dtype)
+    router = Weight((H, E), ("embed", "expert"), name="router", init_std=self.init_std, dtype=jnp.float32,
+                    param_dtype=jnp.float32)()
+    bias = self.variable("router", "router_bias",
+                         nn.with_logical_partitioning(lambda: jnp.zeros((E,), jnp.float32), ("expert",)))
+    wg = Weight((E, H, F), ("expert", "embed", "mlp"), name="gate_proj", **kw)()
+    wu = Weight((E, H, F), ("expert", "embed", "mlp"), name="up_proj", **kw)()
+    wd = Weight((E, F, H), ("expert", "mlp", "embed"), name="down_proj", **kw)()
+
+    xf = x.reshape(B * T, H).astype(self.dtype)
+    scores, chosen, w = route(xf, router, bias.value, self.top_k, self.routed_scaling_factor, self.renormalize)
+    y = expert_ffn(xf, chosen, wg, wu, wd, limit, self.implementation)
+    y = jnp.einsum("nkh,nk->nh", y.astype(jnp.float32), w).astype(self.dtype).reshape(B, T, H)
+    y = y + MLP(H, self.shared_width, name="shared", **kw)(x, shared_limit)
+
+    # Statistics over real tokens (fp32): expert load, mean routing probability, routing confidence Sigma_k
+    # = probability mass (scores normalised over all experts) of the chosen experts.
+    m = jnp.ones((B * T,), jnp.float32) if token_mask is None else token_mask.reshape(-1).astype(jnp.float32)
+    prob = scores / jnp.sum(scores, -1, keepdims=True)
+    n = jnp.maximum(m.sum(), 1.0)
+    self.sow("moe_stats", "load", jnp.zeros((E,), jnp.float32).at[chosen.reshape(-1)].add(jnp.repeat(m, self.top_k)))
+    self.sow("moe_stats", "prob_mean", (prob * m[:, None]).sum(0) / n)
+    self.sow("moe_stats", "confidence", (jnp.take_along_axis(prob, chosen, -1).sum(-1) * m).sum() / n)
+    self.sow("moe_stats", "tokens", m.sum())
+    return y

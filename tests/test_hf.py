@@ -1,0 +1,96 @@
+"""HF-layout checkpoints: exact round trip, errors naming bad tensors, and logits vs an independent NumPy model."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import stepflash_jax as sfj
+import hf_reference
+
+
+def randomized(cfg, seed=0):
+  """Random variables with non-zero norm weights and router biases, so every convention is exercised."""
+  v = sfj.init(cfg, jax.random.key(seed))
+  leaves, tree = jax.tree.flatten(v)
+  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+  leaves = [x + (0.2 if x.ndim == 1 or x.shape[-1] == cfg.num_experts else 0.0) * jax.random.normal(k, x.shape, x.dtype)
+            for x, k in zip(leaves, keys)]
+  return jax.tree.unflatten(tree, leaves)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_cfg, tmp_path_factory):
+  v = randomized(tiny_cfg)
+  path = str(tmp_path_factory.mktemp("hf"))
+  sfj.save_hf_checkpoint(tiny_cfg, v, path)
+  return v, path
+
+
+def test_round_trip_exact_and_same_logits(tiny_cfg, ckpt, tmp_path):
+  v, path = ckpt
+  cfg2, v2 = sfj.load_hf_checkpoint(path)
+  assert jax.tree.structure(v) == jax.tree.structure(v2)
+  for a, b in zip(jax.tree.leaves(v), jax.tree.leaves(v2)):
+    assert a.dtype == b.dtype and a.shape == b.shape and bool(jnp.all(a == b))
+  tokens = jax.random.randint(jax.random.key(2), (2, 40), 0, tiny_cfg.vocab_size)
+  np.testing.assert_array_equal(sfj.forward(tiny_cfg, v, tokens), sfj.forward(cfg2, v2, tokens))
+  # Sharded save (index.json) loads to the same variables.
+  sfj.save_hf_checkpoint(cfg2, v2, str(tmp_path), max_shard_bytes=200_000)
+  assert os.path.exists(tmp_path / "model.safetensors.index.json")
+  _, v3 = sfj.load_hf_checkpoint(str(tmp_path))
+  for a, b in zip(jax.tree.leaves(v), jax.tree.leaves(v3)):
+    assert bool(jnp.all(a == b))
+
+
+def test_logits_match_independent_numpy_model(tiny_cfg, ckpt):
+  _, path = ckpt
+  cfg, v = sfj.load_hf_checkpoint(path)
+  W = load_file(os.path.join(path, "model.safetensors"))
+  hf = json.load(open(os.path.join(path, "config.json")))
+  tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, size=40)   # > window 32: the band matters
+  ref, ref_mtp = hf_reference.forward(W, hf, tokens)
+  out = sfj.apply(cfg, v, jnp.asarray(tokens)[None], mtp=True)
+  np.testing.assert_allclose(out["logits"][0], ref, rtol=2e-4, atol=2e-4)
+  assert len(out["mtp_logits"]) == 3
+  for got, want in zip(out["mtp_logits"], ref_mtp):
+    np.testing.assert_allclose(got[0], want, rtol=2e-4, atol=2e-4)
+
+
+def _rewrite(path, dst, fn):
+  W = dict(load_file(os.path.join(path, "model.safetensors")))
+  fn(W)
+  os.makedirs(dst, exist_ok=True)
+  save_file(W, os.path.join(dst, "model.safetensors"))
+  with open(os.path.join(path, "config.json")) as f, open(os.path.join(dst, "config.json"), "w") as g:
+    g.write(f.read())
+
+
+def test_bad_tensors_are_named(ckpt, tmp_path):
+  _, path = ckpt
+  name = "model.layers.3.moe.gate_proj.weight"
+  _rewrite(path, tmp_path / "missing", lambda W: W.pop(name))
+  with pytest.raises(ValueError, match="missing tensor 'model.layers.3.moe.gate_proj.weight'"):
+    sfj.load_hf_checkpoint(str(tmp_path / "missing"))
+  _rewrite(path, tmp_path / "extra", lambda W: W.update({"model.layers.99.foo.weight": np.zeros(2, np.float32)}))
+  with pytest.raises(ValueError, match="unexpected tensor 'model.layers.99.foo.weight'"):
+    sfj.load_hf_checkpoint(str(tmp_path / "extra"))
+  _rewrite(path, tmp_path / "shape", lambda W: W.update({name: W[name][:, :-1]}))
+  with pytest.raises(ValueError, match="tensor 'model.layers.3.moe.gate_proj.weight' has shape"):
+    sfj.load_hf_checkpoint(str(tmp_path / "shape"))
+
+
+def test_hf_config_keys_parse():
+  """The released config.json conventions: 48-entry lists, string moe_layers_enum, attention_other_setting."""
+  c = sfj.model_config()
+  hf = sfj.to_hf_config(c)
+  assert isinstance(hf["moe_layers_enum"], str) and len(hf["layer_types"]) == 48
+  assert hf["attention_other_setting"]["num_attention_heads"] == 96 and hf["num_attention_groups"] == 8
+  back = sfj.from_hf_config(hf)
+  for k in ("num_layers", "num_heads_swa", "moe_layers", "swiglu_limits", "partial_rotary_factors", "rope_theta"):
+    assert list(np.atleast_1d(back[k])) == list(np.atleast_1d(c[k])), k
+  hf48 = dict(hf, num_hidden_layers=48)       # some exports count the MTP layers too
+  assert sfj.from_hf_config(hf48).num_layers == 45
