@@ -102,25 +102,33 @@ def test_gqa_groups_8_and_12_match_numpy(tmp_path, tiny_cfg):
 
 
 @pytest.fixture(scope="module")
-def tiny_vars(tiny_cfg):
-  return sfj.init(tiny_cfg, jax.random.key(0))
+def scan_cfg(tiny_cfg):
+  c = tiny_cfg.copy_and_resolve_references()
+  c.scan_layers = True
+  assert C.model_args(c).scan == (2, 4, 2)        # layers 2..9 as 2 blocks of 4
+  return c
 
 
-def test_scan_equals_unrolled_and_attention_impls_agree(tiny_cfg, tiny_vars, tmp_path):
-  sfj.save_hf_checkpoint(tiny_cfg, tiny_vars, str(tmp_path))
+@pytest.fixture(scope="module")
+def tiny_vars(scan_cfg):
+  return sfj.init(scan_cfg, jax.random.key(0))
+
+
+def test_scan_equals_unrolled_and_attention_impls_agree(scan_cfg, tiny_vars, tmp_path):
+  sfj.save_hf_checkpoint(scan_cfg, tiny_vars, str(tmp_path))
   cfg_u, v_u = sfj.load_hf_checkpoint(str(tmp_path), scan_layers=False, attention_impl="reference",
                                       moe_impl="reference")
   assert "blocks" not in v_u["params"] and "layer_5" in v_u["params"]
   tokens = jax.random.randint(jax.random.key(1), (2, 48), 0, tiny_cfg.vocab_size)
-  np.testing.assert_allclose(sfj.forward(tiny_cfg, tiny_vars, tokens), sfj.forward(cfg_u, v_u, tokens),
+  np.testing.assert_allclose(sfj.forward(scan_cfg, tiny_vars, tokens), sfj.forward(cfg_u, v_u, tokens),
                              rtol=1e-4, atol=1e-4)
 
 
-def test_packed_documents_do_not_interact(tiny_cfg, tiny_vars):
+def test_packed_documents_do_not_interact(scan_cfg, tiny_vars):
   """A packed row (segment ids, restarting positions) gives each document's logits as if run alone."""
   rs = np.random.RandomState(0)
   a, b = rs.randint(1, 512, size=20), rs.randint(1, 512, size=27)
-  run = jax.jit(lambda t, p, s: sfj.apply(tiny_cfg, tiny_vars, t, positions=p, segment_ids=s)["logits"][0])
+  run = jax.jit(lambda t, p, s: sfj.apply(scan_cfg, tiny_vars, t, positions=p, segment_ids=s)["logits"][0])
 
   def row(docs, pad_to=50):
     t = np.concatenate(docs + [np.zeros(pad_to - sum(map(len, docs)), int)])
@@ -134,7 +142,8 @@ def test_packed_documents_do_not_interact(tiny_cfg, tiny_vars):
   np.testing.assert_allclose(packed[20:47], run(*row([b]))[:27], rtol=1e-4, atol=1e-4)
 
 
-def test_gradients_finite_and_router_bias_untouched(tiny_cfg, tiny_vars):
+def test_gradients_finite_and_router_bias_untouched(scan_cfg, tiny_vars):
+  tiny_cfg = scan_cfg
   tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, tiny_cfg.vocab_size)
 
   def loss(params):
@@ -150,7 +159,8 @@ def test_gradients_finite_and_router_bias_untouched(tiny_cfg, tiny_vars):
   assert float(jnp.abs(g["mtp_2"]["head"]["kernel"]).sum()) > 0
 
 
-def test_moe_stats_and_bias_collection(tiny_cfg, tiny_vars):
+def test_moe_stats_and_bias_collection(scan_cfg, tiny_vars):
+  tiny_cfg = scan_cfg
   tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, tiny_cfg.vocab_size)
   _, st = jax.jit(lambda v, t: sfj.apply(tiny_cfg, v, t, stats=True))(tiny_vars, tokens)
   load = st["blocks"]["sub_0"]["moe"]["load"][0]          # [n_blocks, E]

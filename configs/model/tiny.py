@@ -9,7 +9,7 @@ from stepflash_jax.config import FULL, SWA, model_config
 
 
 def get_config(arg=None):
-  L, M = 10, 3                       # layers 2..9 scan as 2 blocks of [SWA, SWA, full, SWA]
+  L, M = 10, 3                       # with scan_layers: layers 2..9 = 2 blocks of [SWA, SWA, full, SWA]
   types = [FULL if i % 4 == 0 else SWA for i in range(L + M)]
   return model_config(
       vocab_size=512,                # matches the locally trained SentencePiece tokenizer
@@ -30,4 +30,7 @@ def get_config(arg=None):
       swiglu_limits=[7.0 if i in (L - 2, L - 1) else 0.0 for i in range(L + M)],
       swiglu_limits_shared=[16.0 if i == L - 1 else 0.0 for i in range(L + M)],
       max_position_embeddings=4096,
+      # On XLA:CPU the unrolled 10-layer model trains ~1.7x faster than the scanned one (2 blocks do not amortise
+      # the loop); the full config scans. Tests check that both give the same logits.
+      scan_layers=False,
   )

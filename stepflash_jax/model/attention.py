@@ -44,14 +44,21 @@ def cached_attention(q, k, v, q_pos, k_pos, window):
 
 
 def write_cache(cache, k, v, pos, index):
-  """Write new k/v [B, Tn, Hkv, D] and positions [B, Tn] at columns index..index+Tn-1 (slot = column % S)."""
+  """Write new k/v [B, Tn, Hkv, D] and positions [B, Tn] at columns index..index+Tn-1 (slot = column % S).
+
+  `index` is a scalar (one start column for all rows) or int [B] (per-row start columns, e.g. speculative decoding
+  where rows advance by different amounts)."""
   S, Tn = cache["pos"].shape[1], k.shape[1]
+  index = jnp.asarray(index, jnp.int32)
   if Tn > S:   # only the last S new tokens can survive in the ring
     k, v, pos, index, Tn = k[:, -S:], v[:, -S:], pos[:, -S:], index + Tn - S, S
-  slots = (index + jnp.arange(Tn)) % S
-  return {"k": cache["k"].at[:, slots].set(k.astype(cache["k"].dtype)),
-          "v": cache["v"].at[:, slots].set(v.astype(cache["v"].dtype)),
-          "pos": cache["pos"].at[:, slots].set(pos)}
+  if index.ndim == 0:
+    rows, slots = slice(None), (index + jnp.arange(Tn)) % S
+  else:
+    rows, slots = jnp.arange(k.shape[0])[:, None], (index[:, None] + jnp.arange(Tn)) % S   # [B, Tn]
+  return {"k": cache["k"].at[rows, slots].set(k.astype(cache["k"].dtype)),
+          "v": cache["v"].at[rows, slots].set(v.astype(cache["v"].dtype)),
+          "pos": cache["pos"].at[rows, slots].set(pos)}
 
 
 class Attention(nn.Module):

@@ -85,3 +85,41 @@ class MoE(nn.Module):
     self.sow("moe_stats", "confidence", (jnp.take_along_axis(prob, chosen, -1).sum(-1) * m).sum() / n)
     self.sow("moe_stats", "tokens", m.sum())
     return y
+
+
+def update_router_bias(router, stats, rate: float):
+  """Aux-loss-free balancing (STEP35.md §1): bias_e += rate * sign(mean_load - load_e), per MoE layer.
+
+  `router` is the "router" collection, `stats` the sown "moe_stats" tree of the same step (same module paths).
+  """
+  def walk(r, s):
+    if "router_bias" in r:
+      load = s["load"][0]
+      return {**r, "router_bias": r["router_bias"] + rate * jnp.sign(load.mean(-1, keepdims=True) - load)}
+    return {k: walk(v, s[k]) for k, v in r.items()}
+  return walk(router, stats)
+
+
+def ep_balance_loss(stats, groups: int, top_k: int):
+  """EP-group balance loss (STEP35.md §2), mean over MoE layers: G * sum_g (sum_{e in g} f_e)(sum_{e in g} p_e),
+  f_e = fraction of the top-k slots given to e, p_e = mean routing probability of e. Differentiable through p."""
+  losses = []
+  def walk(s):
+    if "load" in s:
+      load, p = s["load"][0], s["prob_mean"][0]                   # [..., E]
+      f = load / jnp.maximum(load.sum(-1, keepdims=True), 1.0)
+      fg = f.reshape(f.shape[:-1] + (groups, -1)).sum(-1)
+      pg = p.reshape(p.shape[:-1] + (groups, -1)).sum(-1)
+      losses.append((groups * (fg * pg).sum(-1)).reshape(-1))
+    else:
+      for v in s.values():
+        walk(v)
+  walk(stats)
+  return jnp.concatenate(losses).mean() if losses else jnp.float32(0)
+
+
+def stat_mean(stats, name: str = "confidence"):
+  """Mean of a scalar MoE statistic over all MoE layers of a sown "moe_stats" tree (e.g. routing confidence)."""
+  vals = [v[0].reshape(-1) for path, v in jax.tree_util.tree_flatten_with_path(
+      stats, is_leaf=lambda x: isinstance(x, tuple))[0] if getattr(path[-1], "key", None) == name]
+  return jnp.concatenate(vals).mean() if vals else jnp.float32(jnp.nan)

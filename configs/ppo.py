@@ -1,0 +1,11 @@
+"""The main job with the PPO objective instead of MIS-PO (same budget, data, seeds and critic).
+
+  python experiments/run.py --config=configs/ppo.py      # ~20 minutes on 2 CPU cores, writes runs/ppo
+"""
+from configs import mispo
+
+
+def get_config(arg: str = ""):
+  c = mispo.get_config(arg)
+  c.rl.objective = "ppo"
+  return c

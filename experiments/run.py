@@ -1,0 +1,51 @@
+"""The entry point: SFT, or the full pipeline SFT -> RL (MIS-PO / PPO / GSPO / TIS), chosen by the config.
+
+  python experiments/run.py --config=configs/mispo.py                       # the main job (~20 min on 2 cores)
+  python experiments/run.py --config=configs/sft.py --workdir=runs/sft --config.train.steps=200
+Without --workdir it writes to runs/<config name>. Rerunning the same command resumes from the latest checkpoint.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Python config file (get_config), ':arg' for a variant.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default: runs/<config name>).")
+_DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() (multi-host pods).")
+flags.mark_flags_as_required(["config"])
+
+
+def default_workdir(config_path: str) -> str:
+  return os.path.join("runs", os.path.splitext(os.path.basename(config_path))[0])
+
+
+def main(argv):
+  del argv
+  import jax
+  if _DISTRIBUTED.value:
+    jax.distributed.initialize()
+  from stepflash_jax.train.validate import validate_run_config
+  config = _CONFIG.value
+  try:
+    validate_run_config(config, num_devices=jax.device_count())
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  workdir = _WORKDIR.value or default_workdir(config_flags.get_config_filename(flags.FLAGS["config"]))
+  print(f"writing to {os.path.abspath(workdir)}", flush=True)
+  if config.job == "sft":
+    from stepflash_jax.train import sft
+    out = sft.train(config, workdir)
+    print(f"SFT done: step {out['step']}, held-out accuracy {out['accuracy']['accuracy']:.3f}")
+  elif config.job == "rl":
+    from stepflash_jax.rl import trainer
+    trainer.run(config, workdir)
+  else:
+    sys.exit(f"error: config field 'job': unknown job {config.job!r}")
+
+
+if __name__ == "__main__":
+  app.run(main)

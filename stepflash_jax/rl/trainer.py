@@ -1,0 +1,268 @@
+"""RL with a critic (STEP35.md §3): SFT -> [rollout -> rewards -> values -> advantages -> mini-batch updates]*.
+
+One generation:
+  1. the rollout engine (its own numerics, bf16 by default) samples `samples_per_prompt` responses per prompt and
+     records logp_rollout = log pi_vllm(a_t | s_t);
+  2. rule rewards; truncated responses get V(s_T) (truncation-aware bootstrapping) or 0 / the task reward;
+  3. the training engine (fp32) recomputes logp_old with the pre-update actor, logp_ref with the frozen SFT
+     params (unbiased KL) and V(s_t) with the critic; GAE (gamma = lambda = 1: A_t = R - V(s_t));
+  4. one epoch: `actor_minibatches` actor updates with the configured objective (MIS-PO / PPO / GSPO / TIS)
+     + kl_coef * unbiased KL, and `critic_minibatches` critic updates (value loss), each a jitted step (Muon).
+Everything per generation is logged (reward, accuracy, grad norms, keep fractions, entropy, KL, truncation, routing
+confidence on the rollout and on the training pass, throughput); held-out greedy accuracy at intervals.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from stepflash_jax import model as model_lib
+from stepflash_jax.data import load_tokenizer, prompt_dataset
+from stepflash_jax.model.moe import stat_mean
+from stepflash_jax.optim import muon
+from stepflash_jax.rl import advantages as adv_lib
+from stepflash_jax.rl import losses
+from stepflash_jax.rl.critic import critic_from_actor, response_values
+from stepflash_jax.rl.rewards import score_batch
+from stepflash_jax.rl.rollout import RolloutEngine
+from stepflash_jax.train import evaluate, sft
+from stepflash_jax.train.checkpoint import Checkpointer
+from stepflash_jax.train.metrics import MetricsWriter, Progress, plot_metrics, summary_table
+
+
+def optimizer(rcfg, ocfg, lr, warmup):
+  """Muon with linear warmup (in optimizer updates) to a constant LR, weight decay 0.1, clip 1.0."""
+  sched = optax.linear_schedule(0.0, lr, max(warmup, 1))
+  return muon(sched, method=ocfg.muon_method, ortho_dtype=ocfg.ortho_dtype, weight_decay=ocfg.weight_decay,
+              grad_clip_norm=ocfg.grad_clip)
+
+
+def objective(rcfg, logp, mb):
+  """The configured actor loss on a mini-batch (all [n, R] float32)."""
+  o = rcfg.objective
+  if o == "mispo":
+    return losses.mispo_loss(logp, mb["logp_old"], mb["logp_rollout"], mb["adv"], mb["mask"],
+                             tuple(rcfg.token_bounds), tuple(rcfg.traj_bounds), normalizer=rcfg.normalizer)
+  if o == "ppo":
+    return losses.ppo_loss(logp, mb["logp_old"], mb["adv"], mb["mask"], clip_eps=rcfg.ppo_clip)
+  if o == "gspo":
+    return losses.gspo_loss(logp, mb["logp_old"], mb["logp_rollout"], mb["adv"], mb["mask"], clip_eps=rcfg.gspo_clip,
+                            token_bounds=tuple(rcfg.token_bounds), traj_bounds=tuple(rcfg.traj_bounds))
+  return losses.tis_loss(logp, mb["logp_old"], mb["logp_rollout"], mb["adv"], mb["mask"], cap=rcfg.tis_cap)
+
+
+def response_logits(args, variables, mb, prompt_len, stats=False):
+  """Training-engine logits predicting each response token: [n, R, V] (fp32), and the MoE stats."""
+  out, st = model_lib.apply(args, variables, mb["tokens"], positions=mb["positions"],
+                            segment_ids=mb["segment_ids"], stats=True)
+  R = mb["tokens"].shape[1] - prompt_len
+  return out["logits"][:, prompt_len - 1:prompt_len - 1 + R], st
+
+
+def token_logp(logits, tokens):
+  lp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+  return jnp.take_along_axis(lp, tokens[..., None], -1)[..., 0]
+
+
+class Functions:
+  """The jitted pieces of a generation, compiled once per (model, config)."""
+
+  def __init__(self, args, rcfg, actor_tx, critic_tx, prompt_len, freeze_mask):
+    P = prompt_len
+
+    def score(params, router, mb):
+      logits, st = response_logits(args, {"params": params, "router": router}, mb, P)
+      mask = mb["mask"]
+      return (token_logp(logits, mb["response"]), losses.entropy_from_logits(logits, mask),
+              stat_mean(st, "confidence"))
+    self.score = jax.jit(score)
+    self.values = jax.jit(lambda cp, router, mb: response_values(
+        args, {"params": cp, "router": router}, mb["tokens"], mb["positions"], mb["segment_ids"], P))
+
+    def actor_loss(params, router, mb):
+      logits, st = response_logits(args, {"params": params, "router": router}, mb, P)
+      logp = token_logp(logits, mb["response"])
+      loss, m = objective(rcfg, logp, mb)
+      if rcfg.kl_coef > 0:
+        kl = losses.unbiased_kl(logp, mb["logp_old"], mb["logp_ref"], mb["mask"])
+        loss = loss + rcfg.kl_coef * kl
+        m = {**m, "kl": kl}
+      return loss, {**m, "confidence_train": stat_mean(st, "confidence")}
+
+    def actor_step(state, mb):
+      (loss, m), g = jax.value_and_grad(actor_loss, has_aux=True)(state["params"], state["router"], mb)
+      params, opt, gnorm, skipped = sft.guarded_update(state, g, loss, actor_tx, freeze_mask)
+      return {**state, "params": params, "opt": opt}, {**m, "actor_loss": loss, "actor_grad_norm": gnorm,
+                                                        "skipped": skipped}
+    self.actor_step = jax.jit(actor_step)
+
+    def critic_loss(cp, router, mb):
+      v = response_values(args, {"params": cp, "router": router}, mb["tokens"], mb["positions"], mb["segment_ids"], P)
+      return losses.value_loss(v[:, :-1], mb["returns"], mb["mask"])
+
+    def critic_step(state, mb):
+      (loss, _), g = jax.value_and_grad(critic_loss, has_aux=True)(state["params"], state["router"], mb)
+      params, opt, gnorm, skipped = sft.guarded_update(state, g, loss, critic_tx,
+                                                       jax.tree.map(lambda _: 1.0, state["params"]))
+      return {**state, "params": params, "opt": opt}, {"critic_loss": loss, "critic_grad_norm": gnorm,
+                                                        "skipped": skipped}
+    self.critic_step = jax.jit(critic_step)
+
+    def advantages(values, mask, task_reward, truncated):
+      final = adv_lib.value_after_last(values, mask)
+      term = adv_lib.terminal_rewards(task_reward, truncated, final, mode=rcfg.truncation)
+      r = adv_lib.place_terminal_reward(term, mask)
+      return adv_lib.gae_advantages(r, values, mask, rcfg.gamma, rcfg.lam)
+    self.advantages = jax.jit(advantages)
+
+
+def sequences(prompts, gen):
+  """Prompt batch + engine output -> full sequences with positions and segment ids for the training engine."""
+  R = gen["response"].shape[1]
+  mask = np.asarray(gen["response_mask"], np.float32)
+  pos_r = prompts["lengths"][:, None] + np.arange(R)[None]
+  return {"tokens": np.concatenate([prompts["tokens"], np.asarray(gen["response"])], 1).astype(np.int32),
+          "positions": np.concatenate([prompts["positions"], pos_r], 1).astype(np.int32),
+          "segment_ids": np.concatenate([prompts["segment_ids"], mask.astype(np.int32)], 1),
+          "response": np.asarray(gen["response"], np.int32), "mask": mask,
+          "logp_rollout": np.asarray(gen["logp"], np.float32)}
+
+
+def repeat_prompts(batch, n):
+  out = {k: np.repeat(v, n, axis=0) for k, v in batch.items() if k != "examples"}
+  out["examples"] = [ex for ex in batch["examples"] for _ in range(n)]
+  return out
+
+
+def minibatches(batch, n, rng):
+  perm = rng.permutation(len(batch["mask"]))
+  for idx in np.array_split(perm, n):
+    yield {k: jnp.asarray(v[idx]) for k, v in batch.items()}
+
+
+def run(config, workdir: str, log=print):
+  """The main job: SFT (or reuse its checkpoint) -> held-out eval -> RL -> eval, summary, plots."""
+  rc = config.rl
+  sft_out = sft.train(config, os.path.join(workdir, "sft"), log=log)
+  tok: object = sft_out["tokenizer"]
+  ref = sft_out["variables"]
+  args = model_lib.as_args(config.model)
+  P, R = config.data.max_prompt_len, rc.max_new_tokens
+  eval_set = evaluate.heldout_examples(config)
+  acc0 = sft_out["accuracy"]
+  log(f"rl: SFT held-out accuracy {acc0['accuracy']:.3f}")
+
+  actor_tx = optimizer(rc, config.optim, rc.actor_lr, rc.actor_warmup)
+  critic_tx = optimizer(rc, config.optim, rc.critic_lr, rc.critic_warmup)
+  critic_vars = critic_from_actor(ref)
+  state = {"actor": {"params": ref["params"], "router": ref["router"], "opt": actor_tx.init(ref["params"])},
+           "critic": {"params": critic_vars["params"], "router": critic_vars["router"],
+                      "opt": critic_tx.init(critic_vars["params"])},
+           "step": jnp.int32(0)}
+  data = iter(prompt_dataset(tok, batch_size=rc.prompts_per_step, max_prompt_len=P, mixture=config.data.mixture,
+                             seed=config.seed + 1))
+  rl_dir = os.path.join(workdir, "rl")
+  ckpt = Checkpointer(os.path.join(rl_dir, "checkpoints"), max_to_keep=config.train.keep_checkpoints)
+  start = ckpt.latest_step() or 0
+  if start:
+    state, extra = ckpt.restore(start, target=state)
+    data.set_state(extra["data"])
+    log(f"rl: resumed from generation {start} in {rl_dir}")
+  writer = MetricsWriter(rl_dir, "rl", resume_step=start)
+  fns = Functions(args, rc, actor_tx, critic_tx, P, sft.frozen_mask(ref["params"], rc.freeze_router))
+  engine = RolloutEngine(config.model, max_prompt_len=P, max_new_tokens=R, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                         dtype=rc.rollout_dtype, temperature=rc.temperature, top_p=rc.top_p,
+                         logit_noise=rc.logit_noise)
+  stale = collections.deque(maxlen=rc.staleness + 1)       # rollout policy = actor of `staleness` steps ago
+  prog = Progress(rc.steps, every=rc.log_every, desc=f"rl/{rc.objective}", start_step=start,
+                  keys=["reward", "accuracy", "actor_grad_norm", "critic_loss", "kept_frac", "confidence_rollout"])
+  acc = acc0
+  for step in range(start, rc.steps):
+    t0 = time.time()
+    rng = np.random.default_rng([config.seed, step])
+    actor = state["actor"]
+    stale.append({"params": actor["params"], "router": actor["router"]})
+    prompts = repeat_prompts(next(data), rc.samples_per_prompt)
+    gen = engine.generate(stale[0], prompts["tokens"], prompts["lengths"], jax.random.key(rng.integers(2**31)))
+    batch = sequences(prompts, gen)
+    texts = [tok.decode(r, stop_at_eos=True) for r in batch["response"]]
+    scored = score_batch(rc.reward, prompts["examples"], texts, np.asarray(gen["truncated"]))
+    jb = {k: jnp.asarray(v) for k, v in batch.items()}
+    logp_old, entropy, conf_train = fns.score(actor["params"], actor["router"], jb)
+    logp_ref = fns.score(ref["params"], ref["router"], jb)[0] if rc.kl_coef > 0 else logp_old
+    values = fns.values(state["critic"]["params"], state["critic"]["router"], jb)
+    adv, ret = fns.advantages(values, jb["mask"], jnp.asarray(scored["reward"]), jnp.asarray(scored["truncated"]))
+    batch.update(logp_old=np.asarray(logp_old), logp_ref=np.asarray(logp_ref), adv=np.asarray(adv),
+                 returns=np.asarray(ret))
+    am, cm = [], []
+    for mb in minibatches(batch, rc.actor_minibatches, rng):
+      state["actor"], m = fns.actor_step(state["actor"], mb)
+      am.append(m)
+    for mb in minibatches(batch, rc.critic_minibatches, rng):
+      state["critic"], m = fns.critic_step(state["critic"], mb)
+      cm.append(m)
+    state["step"] = state["step"] + 1
+    am, cm = jax.device_get(am), jax.device_get(cm)
+    gn = np.array([m["actor_grad_norm"] for m in am])
+    n_tok = float(batch["mask"].sum())
+    metrics = {k: float(np.mean([m[k] for m in am])) for k in am[0] if k not in ("skipped",)}
+    metrics.update({k: float(np.mean([m[k] for m in cm])) for k in ("critic_loss", "critic_grad_norm")})
+    metrics.update(reward=float(scored["reward"].mean()), accuracy=float(scored["correct"].mean()),
+                   truncation_rate=float(scored["truncated"].mean()), actor_grad_norm_max=float(gn.max()),
+                   entropy=float(entropy), confidence_rollout=float(gen["routing_confidence"]),
+                   confidence_score=float(conf_train), response_tokens=n_tok / len(batch["mask"]),
+                   value_mean=float(values.mean()), advantage_mean=float(adv.sum() / max(n_tok, 1)),
+                   skipped=float(sum(m["skipped"] for m in am) + sum(m["skipped"] for m in cm)),
+                   tokens_per_s=n_tok / (time.time() - t0))
+    if metrics["skipped"]:
+      log(f"rl: generation {step + 1}: {int(metrics['skipped'])} non-finite update(s) skipped")
+    if (step + 1) % rc.eval_every == 0 or step + 1 == rc.steps:
+      acc = evaluate.accuracy(config, {"params": state["actor"]["params"], "router": state["actor"]["router"]},
+                              tok, eval_set)
+      metrics.update({f"eval/{k}": v for k, v in acc.items()})
+    writer.write(step + 1, metrics)
+    prog.update(step + 1, metrics)
+    if (step + 1) % rc.checkpoint_every == 0 or step + 1 == rc.steps:
+      ckpt.save(step + 1, state, {"data": data.get_state()}, force=True)
+  writer.close()
+  ckpt.wait()
+  if start >= rc.steps:
+    acc = evaluate.accuracy(config, {"params": state["actor"]["params"], "router": state["actor"]["router"]},
+                            tok, eval_set)
+  return finish(config, workdir, acc0, acc, log)
+
+
+def finish(config, workdir, acc0, acc, log):
+  rl_dir = os.path.join(workdir, "rl")
+  jsonl = os.path.join(rl_dir, "metrics_rl.jsonl")
+  plot_metrics(jsonl, ["reward", "accuracy", "eval/accuracy", "actor_grad_norm", "critic_loss", "kept_frac",
+                       "token_keep_frac", "traj_keep_frac", "entropy", "kl", "confidence_rollout",
+                       "confidence_train", "truncation_rate"], os.path.join(workdir, "rl.png"),
+               title=f"RL ({config.rl.objective})")
+  from stepflash_jax.train.metrics import read_jsonl
+  rows = read_jsonl(jsonl)
+  gn = np.array([r["actor_grad_norm"] for r in rows if "actor_grad_norm" in r])
+  summary = {"objective": config.rl.objective, "generations": len(rows),
+             "accuracy_before": acc0["accuracy"], "accuracy_after": acc["accuracy"],
+             "gain_points": 100 * (acc["accuracy"] - acc0["accuracy"]),
+             "train_reward_first10": float(np.mean([r["reward"] for r in rows[:10]])) if rows else float("nan"),
+             "train_reward_last10": float(np.mean([r["reward"] for r in rows[-10:]])) if rows else float("nan"),
+             "actor_grad_norm_mean": float(gn.mean()) if gn.size else float("nan"),
+             "actor_grad_norm_std": float(gn.std()) if gn.size else float("nan")}
+  table = summary_table([summary], list(summary))
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=1)
+  with open(os.path.join(workdir, "summary.md"), "w") as f:
+    f.write(table + "\n")
+  log(table)
+  log(f"plots: {os.path.join(workdir, 'sft', 'sft.png')}, {os.path.join(workdir, 'rl.png')}; "
+      f"TensorBoard: tensorboard --logdir {workdir}")
+  return summary

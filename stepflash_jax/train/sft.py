@@ -1,0 +1,154 @@
+"""Supervised fine-tuning (STEP35.md §2): next-token + MTP loss, Muon, warmup + cosine, frozen router.
+
+  loss = CE(main head, next token) + mtp_weight * mean_k CE(MTP module k, token t+k+2)     (all CE in fp32)
+
+Each CE is averaged over the assistant tokens of the batch (loss_mask), never across packed documents
+(segment ids reach the attention). One jitted step: grads -> global-norm clip 1.0 -> Muon/AdamW; a step with
+a non-finite loss or gradient is skipped (params and optimizer state unchanged) and reported as `skipped=1`.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from stepflash_jax import model as model_lib
+from stepflash_jax.data import future_targets, load_tokenizer, sft_dataset
+from stepflash_jax.model.moe import ep_balance_loss, update_router_bias
+from stepflash_jax.optim import muon
+from stepflash_jax.train import evaluate
+from stepflash_jax.train.checkpoint import Checkpointer
+from stepflash_jax.train.metrics import MetricsWriter, Progress, plot_metrics
+
+
+def lr_schedule(peak: float, total_steps: int, warmup_frac: float = 0.03, end_frac: float = 0.5):
+  """Linear warmup over warmup_frac of the steps, then cosine from peak to end_frac * peak (1e-5 -> 5e-6)."""
+  warmup = max(1, int(round(warmup_frac * total_steps)))
+  return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(total_steps, warmup + 1), end_frac * peak)
+
+
+def make_optimizer(ocfg, lr) -> optax.GradientTransformation:
+  """Muon (Polar Express, fp16) for matrices + AdamW for embeddings/heads/1-D params; grad clip by global norm."""
+  return muon(lr, method=ocfg.muon_method, ortho_dtype=ocfg.ortho_dtype, weight_decay=ocfg.weight_decay,
+              grad_clip_norm=ocfg.grad_clip)
+
+
+def frozen_mask(params, freeze_router: bool):
+  """1.0 for trainable leaves, 0.0 for the router weights when frozen (their update, incl. decay, is zeroed)."""
+  def m(path, _):
+    names = [getattr(p, "key", "") for p in path]
+    return 0.0 if (freeze_router and "router" in names) else 1.0
+  return jax.tree_util.tree_map_with_path(m, params)
+
+
+def token_ce(logits, targets, mask):
+  """Sum over masked positions of -log softmax(logits)[target] (fp32) and the mask count."""
+  lp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+  nll = -jnp.take_along_axis(lp, targets[..., None], -1)[..., 0]
+  return jnp.sum(nll * mask), jnp.sum(mask)
+
+
+def sft_loss(params, router, batch, args, mtp_weight: float, ep_coef: float = 0.0, ep_groups: int = 1):
+  out, stats = model_lib.apply(args, {"params": params, "router": router}, batch["tokens"],
+                               positions=batch["positions"], segment_ids=batch["segment_ids"],
+                               mtp=mtp_weight > 0, stats=True)
+  s, n = token_ce(out["logits"], batch["targets"], batch["loss_mask"])
+  main = s / jnp.maximum(n, 1.0)
+  metrics = {"loss": main, "tokens": n}
+  total = main
+  if mtp_weight > 0:
+    mtp = []
+    for k, logits in enumerate(out["mtp_logits"]):
+      t, m = future_targets(batch["targets"], batch["loss_mask"], batch["segment_ids"], k + 1)
+      sk, nk = token_ce(logits, t, m)
+      mtp.append(sk / jnp.maximum(nk, 1.0))
+      metrics[f"mtp{k + 1}_loss"] = mtp[-1]
+    total = total + mtp_weight * jnp.mean(jnp.stack(mtp))
+  if ep_coef > 0:
+    metrics["ep_loss"] = ep_balance_loss(stats, ep_groups, args.top_k)
+    total = total + ep_coef * metrics["ep_loss"]
+  return total, (metrics, stats)
+
+
+def guarded_update(state, grads, loss, tx, mask):
+  """Apply tx unless the loss or a gradient is non-finite; returns (new params, new opt state, skipped)."""
+  gnorm = optax.global_norm(grads)
+  ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+  grads = jax.tree.map(lambda g: jnp.where(ok, g, 0.0), grads)
+  updates, opt = tx.update(grads, state["opt"], state["params"])
+  updates = jax.tree.map(lambda u, m: u * m, updates, mask)
+  params = optax.apply_updates(state["params"], updates)
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+  return keep(params, state["params"]), keep(opt, state["opt"]), gnorm, 1.0 - ok.astype(jnp.float32)
+
+
+def make_train_step(args, tx, tcfg, lr_fn, mask):
+  @jax.jit
+  def step(state, batch):
+    grad_fn = jax.value_and_grad(sft_loss, has_aux=True)
+    (loss, (metrics, stats)), grads = grad_fn(state["params"], state["router"], batch, args, tcfg.mtp_weight,
+                                              tcfg.ep_balance_coef, tcfg.ep_groups)
+    params, opt, gnorm, skipped = guarded_update(state, grads, loss, tx, mask)
+    router = state["router"]
+    if tcfg.router_bias_rate > 0:
+      router = update_router_bias(router, stats, tcfg.router_bias_rate)
+    metrics.update(total_loss=loss, grad_norm=gnorm, skipped=skipped, lr=lr_fn(state["step"]))
+    return {**state, "params": params, "opt": opt, "router": router, "step": state["step"] + 1}, metrics
+
+  return step
+
+
+def train(config, workdir: str, log=print):
+  """Run (or resume) SFT into workdir; returns {"variables", "accuracy", "step"}."""
+  os.makedirs(workdir, exist_ok=True)
+  args = model_lib.as_args(config.model)
+  t = config.train
+  tok = load_tokenizer(config.data.tokenizer_dir or None, vocab_size=config.model.vocab_size)
+  data = sft_dataset(tok, batch_size=config.data.batch_size, seq_len=config.data.seq_len,
+                     mixture=config.data.mixture, seed=config.seed)
+  it = iter(data)
+  lr_fn = lr_schedule(config.optim.lr, t.steps, config.optim.warmup_frac, config.optim.end_lr_frac)
+  tx = make_optimizer(config.optim, lr_fn)
+  variables = model_lib.init(args, jax.random.key(config.seed))
+  state = {"params": variables["params"], "router": variables["router"],
+           "opt": tx.init(variables["params"]), "step": jnp.int32(0)}
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=t.keep_checkpoints)
+  start = ckpt.latest_step()
+  if start is not None:
+    state, extra = ckpt.restore(start, target=state)
+    it.set_state(extra["data"])
+    log(f"sft: resumed from step {start} in {workdir}")
+  start = start or 0
+  writer = MetricsWriter(workdir, "sft", resume_step=start)
+  step_fn = make_train_step(args, tx, t, lr_fn, frozen_mask(state["params"], t.freeze_router))
+  eval_set = evaluate.heldout_examples(config)
+  prog = Progress(t.steps, every=t.log_every, desc="sft", keys=["loss", "mtp1_loss", "grad_norm", "lr"],
+                  start_step=start)
+  acc = None
+  for step in range(start, t.steps):
+    batch = {k: jnp.asarray(v) for k, v in next(it).items()}
+    state, metrics = step_fn(state, batch)
+    metrics = {k: float(v) for k, v in metrics.items()}
+    if metrics["skipped"]:
+      log(f"sft: step {step + 1} skipped (non-finite loss or gradient)")
+    if (step + 1) % t.eval_every == 0 or step + 1 == t.steps:
+      acc = evaluate.accuracy(config, {"params": state["params"], "router": state["router"]}, tok, eval_set)
+      metrics.update({f"eval/{k}": v for k, v in acc.items()})
+    writer.write(step + 1, metrics)
+    prog.update(step + 1, metrics)
+    if (step + 1) % t.checkpoint_every == 0 or step + 1 == t.steps:
+      ckpt.save(step + 1, state, {"data": it.get_state()}, force=True)
+  writer.close()
+  ckpt.wait()
+  plot_metrics(os.path.join(workdir, "metrics_sft.jsonl"), ["loss", "mtp1_loss", "grad_norm", "lr",
+                                                             "eval/accuracy"], os.path.join(workdir, "sft.png"),
+               title="SFT")
+  if acc is None:   # resumed after the last step: evaluate the restored state
+    acc = evaluate.accuracy(config, {"params": state["params"], "router": state["router"]}, tok, eval_set)
+  return {"variables": {"params": state["params"], "router": state["router"]}, "accuracy": acc,
+          "step": int(state["step"]), "tokenizer": tok}

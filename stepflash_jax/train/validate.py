@@ -1,0 +1,94 @@
+"""Validation of a whole run config before anything runs: one-line ValueError naming the field."""
+from __future__ import annotations
+
+import math
+
+from stepflash_jax import config as model_config_lib
+from stepflash_jax.data import tasks
+
+OBJECTIVES = ("mispo", "ppo", "gspo", "tis")
+
+
+def _err(field, msg):
+  raise ValueError(f"config field '{field}': {msg}")
+
+
+def _positive(c, section, names):
+  for n in names:
+    v = c[section][n]
+    if not (isinstance(v, (int, float)) and v > 0):
+      _err(f"{section}.{n}", f"must be > 0, got {v!r}")
+
+
+def mesh_shape(mesh_cfg, num_devices: int) -> dict:
+  """Axis sizes of config.mesh with one -1 resolved to the remaining devices; error if they do not fit."""
+  axes = {k: int(mesh_cfg[k]) for k in ("data", "fsdp", "expert", "tensor")}
+  free = [k for k, v in axes.items() if v == -1]
+  if len(free) > 1:
+    _err(f"mesh.{free[1]}", "at most one mesh axis may be -1")
+  for k, v in axes.items():
+    if v == 0 or v < -1:
+      _err(f"mesh.{k}", f"must be a positive size or -1, got {v}")
+  known = math.prod(v for v in axes.values() if v != -1)
+  if free:
+    if num_devices % known:
+      _err(f"mesh.{free[0]}", f"cannot fill {num_devices} devices with the other axes' product {known}")
+    axes[free[0]] = num_devices // known
+  elif known != num_devices:
+    _err("mesh", f"axis sizes {axes} multiply to {known} but there are {num_devices} devices")
+  return axes
+
+
+def validate_run_config(c, num_devices: int | None = None) -> None:
+  try:
+    model_config_lib.validate(c.model)
+  except ValueError as e:
+    raise ValueError(str(e).replace("model config field '", "config field 'model.")) from None
+  _positive(c, "data", ["batch_size", "seq_len", "max_prompt_len"])
+  try:
+    tasks.parse_mixture(c.data.mixture)
+  except (ValueError, KeyError) as e:
+    _err("data.mixture", str(e))
+  _positive(c, "optim", ["lr"])
+  if not 0 <= c.optim.warmup_frac < 1:
+    _err("optim.warmup_frac", f"must be in [0, 1), got {c.optim.warmup_frac}")
+  if c.optim.weight_decay < 0:
+    _err("optim.weight_decay", f"must be >= 0, got {c.optim.weight_decay}")
+  if c.optim.muon_method not in ("polar_express", "newton_schulz"):
+    _err("optim.muon_method", f"unknown method {c.optim.muon_method!r}")
+  if c.optim.ortho_dtype not in ("float16", "float32", "bfloat16"):
+    _err("optim.ortho_dtype", f"unknown dtype {c.optim.ortho_dtype!r}")
+  _positive(c, "train", ["steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"])
+  if c.train.mtp_weight < 0:
+    _err("train.mtp_weight", f"must be >= 0, got {c.train.mtp_weight}")
+  if c.train.mtp_weight > 0 and c.model.num_mtp_layers == 0:
+    _err("train.mtp_weight", "is > 0 but the model has no MTP modules (model.num_mtp_layers = 0)")
+  _positive(c, "eval", ["num_examples", "batch_size", "max_new_tokens"])
+  if c.data.max_prompt_len + c.eval.max_new_tokens > c.model.max_position_embeddings:
+    _err("eval.max_new_tokens", "prompt + response exceed model.max_position_embeddings")
+  if "rl" in c:
+    r = c.rl
+    if r.objective not in OBJECTIVES:
+      _err("rl.objective", f"must be one of {OBJECTIVES}, got {r.objective!r}")
+    _positive(c, "rl", ["steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "actor_lr",
+                        "critic_lr", "actor_minibatches", "critic_minibatches"])
+    n = r.prompts_per_step * r.samples_per_prompt
+    for k in ("actor_minibatches", "critic_minibatches"):
+      if n % r[k]:
+        _err(f"rl.{k}", f"{r[k]} does not divide the generation's {n} responses")
+    lo, hi = r.token_bounds
+    if not 0 < lo <= 1 <= hi:
+      _err("rl.token_bounds", f"need 0 < low <= 1 <= high, got {tuple(r.token_bounds)}")
+    lo, hi = r.traj_bounds
+    if not 0 < lo <= 1 <= hi:
+      _err("rl.traj_bounds", f"need 0 < low <= 1 <= high, got {tuple(r.traj_bounds)}")
+    if r.truncation not in ("bootstrap", "zero", "task"):
+      _err("rl.truncation", f"must be 'bootstrap', 'zero' or 'task', got {r.truncation!r}")
+    if r.rollout_dtype not in ("bfloat16", "float32"):
+      _err("rl.rollout_dtype", f"must be 'bfloat16' or 'float32', got {r.rollout_dtype!r}")
+    if not 0 < r.top_p <= 1:
+      _err("rl.top_p", f"must be in (0, 1], got {r.top_p}")
+    if r.temperature <= 0:
+      _err("rl.temperature", f"must be > 0, got {r.temperature}")
+  if num_devices is not None:
+    mesh_shape(c.mesh, num_devices)
