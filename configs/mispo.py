@@ -46,6 +46,7 @@ def get_config(arg: str = ""):
   r.actor_warmup = 20
   r.critic_warmup = 50
   r.freeze_router = True              # router weights frozen in RL as in SFT (switch for routing studies)
+  r.sft_workdir = ""                  # "" = <workdir>/sft; or an existing SFT run to start from
   r.log_every = 1 if small else 5
   r.eval_every = 4 if small else 20
   r.checkpoint_every = 2 if small else 10

@@ -9,7 +9,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Python config file (get_config), ':arg' for a variant.",
@@ -25,6 +25,7 @@ def default_workdir(config_path: str) -> str:
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)    # orbax logs every save step at INFO
   import jax
   if _DISTRIBUTED.value:
     jax.distributed.initialize()

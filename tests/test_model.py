@@ -190,3 +190,27 @@ def test_config_validation_names_the_field(tiny_cfg):
   c.layer_types = c.layer_types[:-1]
   with pytest.raises(ValueError, match="layer_types"):
     C.validate(c)
+
+
+def test_muon_assignment_pinned_for_tiny_and_full():
+  """Which parameter Muon / AdamW optimise, from abstract shapes of the real model trees (no weights)."""
+  from stepflash_jax.optim import assignment_summary
+  full = assignment_summary(M.abstract_variables(sfj.model_config())["params"])
+  assert full["blocks/sub_0/moe/gate_proj/kernel"] == "muon batch=(10, 288) matrix=(4096, 1280)"
+  assert full["blocks/sub_0/moe/down_proj/kernel"] == "muon batch=(10, 288) matrix=(1280, 4096)"
+  assert full["blocks/sub_0/moe/router/kernel"] == "muon batch=(10,) matrix=(4096, 288)"
+  assert full["blocks/sub_1/attn/q_proj/kernel"] == "muon batch=(10,) matrix=(4096, 8192)"      # layer 4: full, 64 heads
+  assert full["blocks/sub_0/attn/q_proj/kernel"] == "muon batch=(10,) matrix=(4096, 12288)"     # SWA, 96 heads
+  assert full["blocks/sub_0/attn/o_proj/kernel"] == "muon batch=(10,) matrix=(12288, 4096)"
+  assert full["layer_0/mlp/gate_proj/kernel"] == "muon batch=() matrix=(4096, 11264)"
+  assert full["mtp_0/eh_proj/kernel"] == "muon batch=() matrix=(8192, 4096)"
+  adamw = sorted(k for k, v in full.items() if v.startswith("adamw"))
+  assert {"embed/embedding", "lm_head/kernel", "mtp_0/head/kernel", "mtp_2/head/kernel"} <= set(adamw)
+  assert all(k.endswith("scale") or k in ("embed/embedding", "lm_head/kernel") or k.endswith("head/kernel")
+             for k in adamw)
+  tiny = assignment_summary(M.abstract_variables(C.load_config_file(
+      os.path.join(os.path.dirname(__file__), "..", "configs", "model", "tiny.py")))["params"])
+  assert tiny["layer_2/moe/up_proj/kernel"] == "muon batch=(8,) matrix=(128, 64)"
+  assert tiny["layer_4/attn/k_proj/kernel"] == "muon batch=() matrix=(128, 64)"
+  assert tiny["layer_9/moe/shared/down_proj/kernel"] == "muon batch=() matrix=(64, 128)"
+  assert tiny["mtp_1/layer/input_norm/scale"].startswith("adamw")

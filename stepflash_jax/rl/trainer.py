@@ -39,8 +39,8 @@ from stepflash_jax.train.metrics import MetricsWriter, Progress, plot_metrics, s
 
 
 def optimizer(rcfg, ocfg, lr, warmup):
-  """Muon with linear warmup (in optimizer updates) to a constant LR, weight decay 0.1, clip 1.0."""
-  sched = optax.linear_schedule(0.0, lr, max(warmup, 1))
+  """Muon with linear warmup (lr * (n + 1) / warmup for update n) to a constant LR, weight decay 0.1, clip 1.0."""
+  sched = lambda count: lr * jnp.minimum(1.0, (count + 1) / max(warmup, 1))
   return muon(sched, method=ocfg.muon_method, ortho_dtype=ocfg.ortho_dtype, weight_decay=ocfg.weight_decay,
               grad_clip_norm=ocfg.grad_clip)
 
@@ -151,7 +151,9 @@ def minibatches(batch, n, rng):
 def run(config, workdir: str, log=print):
   """The main job: SFT (or reuse its checkpoint) -> held-out eval -> RL -> eval, summary, plots."""
   rc = config.rl
-  sft_out = sft.train(config, os.path.join(workdir, "sft"), log=log)
+  # The SFT stage: trained here on the first run, resumed/reused afterwards; rl.sft_workdir points several RL runs
+  # (e.g. the mismatch lab's variants) at one shared SFT run.
+  sft_out = sft.train(config, rc.get("sft_workdir") or os.path.join(workdir, "sft"), log=log)
   tok: object = sft_out["tokenizer"]
   ref = sft_out["variables"]
   args = model_lib.as_args(config.model)

@@ -1,0 +1,63 @@
+"""The mismatch lab (STEP35.md §3): short RL runs from ONE SFT checkpoint under controlled train/inference mismatch.
+
+  python experiments/mismatch_lab.py --config=configs/lab.py [--workdir=runs/lab]              # full: ~40 min here
+  python experiments/mismatch_lab.py --config=configs/lab.py:small --workdir=/tmp/lab          # ~2-3 min smoke run
+Times are for this 2-core CPU when it is not shared. Rerunning the same command skips finished variants and resumes
+an interrupted one from its checkpoint. Outputs in the workdir: lab_table.md / lab_table.csv (one row per variant,
+seeds averaged), lab_runs.csv (one row per run), probe.md / probe.csv (mismatch vs routing confidence on the SFT
+policy), truncation.json, and PNG plots (curves overlaid per setting / per objective, truncation, routing).
+
+Knobs of the lab (`lab.*`); the RL knobs themselves are those of configs/mispo.py:
+  objectives       the actor losses compared ("mispo,ppo,gspo,tis")
+  settings         the mismatch settings, each a rollout engine: fp32 (the training numerics: no mismatch beyond
+                   KV-cache / op-order differences), bf16 (the default engine), noise (bf16 + Gaussian logit noise of
+                   std `noise_scale`), stale (bf16 rollouts from the actor of `stale_steps` generations ago)
+  seeds            seeds of every (objective, setting) run; `multi_seed` lists the "objective:setting" pairs that
+                   also run `extra_seeds` (where the differences are small: the MIS-PO vs PPO headline)
+  truncation_*     MIS-PO (bf16) with rl.max_new_tokens shrunk until ~`truncation_target` of the SFT policy's
+                   responses are cut (measured on `probe_prompts` x samples_per_prompt samples), for each mode in
+                   `truncation_modes`; seeds = seeds + extra_seeds
+  probe_*          the routing-confidence probe: one batch sampled from the SFT policy per engine setting
+                   (fp32, bf16, bf16 + each noise in `probe_noise`), scored by the training engine
+"""
+import ml_collections
+
+from configs import mispo
+
+
+def get_config(arg: str = ""):
+  if arg not in ("", "small"):
+    raise ValueError(f"configs/lab.py: unknown variant {arg!r} (use '' or 'small')")
+  small = arg == "small"
+  c = mispo.get_config("small" if small else "")
+  # The SFT checkpoint every variant starts from (<workdir>/sft, trained once).
+  if small:                           # full: configs/sft.py's 500 steps (the main job's SFT run can be reused)
+    c.train.steps = c.train.eval_every = c.train.checkpoint_every = 30
+  c.eval.num_examples = 8 if small else 64
+  c.eval.batch_size = 8 if small else 32
+  r = c.rl
+  r.steps = 2 if small else 16        # generations per variant
+  r.prompts_per_step = 3 if small else 12
+  r.samples_per_prompt = 4
+  r.actor_minibatches = 2 if small else 4
+  r.critic_minibatches = 4 if small else 12
+  r.eval_every = r.steps              # held-out accuracy once, after the last generation
+  r.checkpoint_every = r.steps if small else 4
+  r.log_every = 1 if small else 4
+
+  c.lab = l = ml_collections.ConfigDict()
+  l.objectives = "mispo,ppo" if small else "mispo,ppo,gspo,tis"
+  l.settings = "bf16,noise" if small else "fp32,bf16,noise,stale"
+  l.noise_scale = 0.5                 # std of the logit noise, in logits (the SFT policy's logits span ~20)
+  l.stale_steps = 2                   # rollouts from the actor of 2 generations ago
+  l.seeds = "0"
+  l.extra_seeds = "" if small else "1,2"
+  l.multi_seed = "" if small else "mispo:bf16,ppo:bf16"
+  l.truncation_modes = "bootstrap,zero"
+  l.truncation_target = 0.2
+  l.truncation_steps = 2 if small else 16
+  l.probe_prompts = 3 if small else 16
+  l.probe_noise = "0.5" if small else "0.1,0.5,1.0"
+  l.sft_workdir = ""                  # "" = <workdir>/sft; or an SFT run of the same config to reuse
+  l.compile_cache = "~/.cache/stepflash_jax/xla_cache"   # persistent XLA cache ("" = off)
+  return c

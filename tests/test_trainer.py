@@ -1,0 +1,88 @@
+"""RL trainer wiring: sequence assembly, critic value alignment, and one actor/critic update on a tiny rollout."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import stepflash_jax as sfj
+from stepflash_jax import model as M
+from stepflash_jax.config import load_config_file
+from stepflash_jax.rl import losses, trainer
+from stepflash_jax.rl.critic import critic_from_actor, response_values
+from conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def setup():
+  cfg = load_config_file(os.path.join(ROOT, "configs", "mispo.py"), "small")
+  cfg.rl.max_new_tokens = 8
+  args = M.as_args(cfg.model)
+  v = sfj.init(cfg.model, jax.random.key(0))
+  P, R = 6, 8
+  prompts = {"tokens": np.array([[0, 0, 2, 4, 9, 5], [2, 4, 9, 9, 9, 5]], np.int32),
+             "positions": np.array([[0, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5]], np.int32),
+             "segment_ids": np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], np.int32),
+             "lengths": np.array([4, 6], np.int32)}
+  response = np.array([[11, 12, 3, 0, 0, 0, 0, 0], [13, 14, 15, 16, 17, 18, 19, 20]], np.int32)
+  mask = np.array([[1, 1, 1, 0, 0, 0, 0, 0], [1] * 8], np.float32)      # row 0 ends with EOS (3), row 1 truncated
+  gen = {"response": response, "response_mask": mask, "logp": np.full((2, R), -1.0, np.float32)}
+  return cfg, args, v, prompts, gen, P, R
+
+
+def test_sequences_positions_and_segments(setup):
+  _, _, _, prompts, gen, P, R = setup
+  b = trainer.sequences(prompts, gen)
+  assert b["tokens"].shape == (2, P + R)
+  np.testing.assert_array_equal(b["positions"][0, P:P + 3], [4, 5, 6])     # continues after the 4 prompt tokens
+  np.testing.assert_array_equal(b["positions"][1, P:P + 3], [6, 7, 8])
+  np.testing.assert_array_equal(b["segment_ids"][0], [0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0])
+
+
+def test_critic_values_are_aligned_with_states(setup):
+  """values[:, t] = V(s_t) = critic output at the column of the token before response token t."""
+  cfg, args, v, prompts, gen, P, R = setup
+  b = trainer.sequences(prompts, gen)
+  cv = critic_from_actor(v)
+  cv["params"]["value_head"]["kernel"] = jnp.ones_like(cv["params"]["value_head"]["kernel"])
+  vals = response_values(args, cv, b["tokens"], b["positions"], b["segment_ids"], P)
+  full = M.apply(args, cv, b["tokens"], positions=b["positions"], segment_ids=b["segment_ids"], head="value")["values"]
+  assert vals.shape == (2, R + 1)
+  np.testing.assert_allclose(vals[:, 0], full[:, P - 1])
+  np.testing.assert_allclose(vals[:, R], full[:, P + R - 1])
+  assert "lm_head" not in cv["params"] and not any(k.startswith("mtp_") for k in cv["params"])
+
+
+def test_one_actor_and_critic_update(setup):
+  cfg, args, v, prompts, gen, P, R = setup
+  rc = cfg.rl
+  tx_a = trainer.optimizer(rc, cfg.optim, 1e-2, 1)
+  tx_c = trainer.optimizer(rc, cfg.optim, 1e-2, 1)
+  from stepflash_jax.train.sft import frozen_mask
+  fns = trainer.Functions(args, rc, tx_a, tx_c, P, frozen_mask(v["params"], True))
+  b = trainer.sequences(prompts, gen)
+  jb = {k: jnp.asarray(x) for k, x in b.items()}
+  logp_old, ent, conf = fns.score(v["params"], v["router"], jb)
+  assert logp_old.shape == (2, R) and float(ent) > 0 and 0 < float(conf) <= 1
+  cv = critic_from_actor(v)
+  values = fns.values(cv["params"], cv["router"], jb)
+  adv, ret = fns.advantages(values, jb["mask"], jnp.array([1.0, 0.0]), jnp.array([False, True]))
+  # gamma = lambda = 1, zero-initialised value head: A = R on every valid token; the truncated row bootstraps
+  # to V(s_T) = 0.
+  np.testing.assert_allclose(adv[0, :3], 1.0, atol=1e-6)
+  np.testing.assert_allclose(adv[1], 0.0, atol=1e-6)
+  mb = {**jb, "logp_old": logp_old, "logp_ref": logp_old, "adv": adv, "returns": ret,
+        "logp_rollout": logp_old + 0.001}          # inside the trajectory bounds: every token kept
+  actor = {"params": v["params"], "router": v["router"], "opt": tx_a.init(v["params"])}
+  new, m = fns.actor_step(actor, mb)
+  want, _ = losses.mispo_loss(logp_old, logp_old, mb["logp_rollout"], adv, jb["mask"])
+  np.testing.assert_allclose(float(m["actor_loss"]), float(want), rtol=1e-5)   # kl(pi, pi_old = pi_ref) = 0
+  assert float(m["kept_frac"]) == 1.0 and float(m["skipped"]) == 0.0
+  moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), new["params"], actor["params"])
+  assert moved["lm_head"]["kernel"] > 0
+  assert moved["layer_2"]["moe"]["router"]["kernel"] == 0.0                   # router frozen
+  critic = {"params": cv["params"], "router": cv["router"], "opt": tx_c.init(cv["params"])}
+  newc, mc = fns.critic_step(critic, mb)
+  assert float(mc["critic_loss"]) > 0
+  assert float(jnp.abs(newc["params"]["value_head"]["kernel"]).max()) > 0
