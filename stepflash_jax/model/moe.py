@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from stepflash_jax import ops
 from stepflash_jax.model.mlp import MLP, Weight, clamped_swiglu
+from stepflash_jax.parallel import expert_parallel
 
 
 def route(x, router_kernel, router_bias, top_k: int, scaling: float, renormalize: bool = True):
@@ -54,6 +55,14 @@ class MoE(nn.Module):
   implementation: str = "xla"
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
+  # Expert parallelism (parallel/expert_parallel.py): "none" | "auto" | "gather" | "a2a" | "ragged" (":<cf>");
+  # None = ModelArgs.expert_parallel of the enclosing decoder layer. Only used under parallel.use_mesh.
+  expert_parallel: str | None = None
+
+  def _ep_mode(self) -> str:
+    if self.expert_parallel is not None:
+      return self.expert_parallel
+    return getattr(getattr(self.parent, "args", None), "expert_parallel", "none")
 
   @nn.compact
   def __call__(self, x, token_mask=None, limit=0.0, shared_limit=0.0):
@@ -71,8 +80,13 @@ class MoE(nn.Module):
 
     xf = x.reshape(B * T, H).astype(self.dtype)
     scores, chosen, w = route(xf, router, bias.value, self.top_k, self.routed_scaling_factor, self.renormalize)
-    y = expert_ffn(xf, chosen, wg, wu, wd, limit, self.implementation)
-    y = jnp.einsum("nkh,nk->nh", y.astype(jnp.float32), w).astype(self.dtype).reshape(B, T, H)
+    mode = self._ep_mode()
+    if expert_parallel.active(mode):   # tokens travel to the devices holding their experts (shard_map)
+      y = expert_parallel.moe_experts(xf, chosen, w, wg, wu, wd, limit, mode=mode, implementation=self.implementation)
+    else:
+      y = expert_ffn(xf, chosen, wg, wu, wd, limit, self.implementation)
+      y = jnp.einsum("nkh,nk->nh", y.astype(jnp.float32), w)
+    y = y.astype(self.dtype).reshape(B, T, H)
     y = y + MLP(H, self.shared_width, name="shared", **kw)(x, shared_limit)
 
     # Statistics over real tokens (fp32): expert load, mean routing probability, routing confidence Sigma_k
