@@ -53,6 +53,9 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
       moe_impl="xla",          # "reference" | "xla" | "pallas" (ops.grouped_matmul)
       scan_layers=True,        # compile the repeating 4-layer block once (nn.scan)
       remat=False,             # rematerialise each scanned block in the backward pass
+      # Expert parallelism under parallel.use_mesh: "none" (GSPMD decides) | "auto" | "gather" | "a2a" | "ragged",
+      # optionally ":<capacity factor>" (see stepflash_jax/parallel/expert_parallel.py). No effect on one device.
+      expert_parallel="none",
   ))
   c.update(overrides)
   return c
@@ -101,6 +104,12 @@ def validate(c) -> None:
   _check(c.moe_impl in IMPLEMENTATIONS, "moe_impl", f"one of {IMPLEMENTATIONS}, got {c.moe_impl!r}")
   for f in ("dtype", "param_dtype"):
     _check(c[f] in ("float32", "bfloat16", "float16"), f, f"unsupported dtype {c[f]!r}")
+  if "expert_parallel" in c:
+    from stepflash_jax.parallel.expert_parallel import parse
+    try:
+      parse(c.expert_parallel)
+    except ValueError as e:
+      _check(False, "expert_parallel", str(e))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -145,6 +154,7 @@ class ModelArgs:
   layers: tuple               # LayerSpec per decoder layer
   mtp_layers: tuple           # LayerSpec per MTP block
   scan: tuple                 # (start, period, n_blocks) or () when not scanning
+  expert_parallel: str = "none"   # MoE token exchange under parallel.use_mesh (parallel/expert_parallel.py)
 
 
 def rope_inv_freq(head_dim: int, partial: float, theta: float, scaling: dict | None) -> np.ndarray:
@@ -212,7 +222,8 @@ def model_args(c) -> ModelArgs:
       eps=float(c.rms_norm_eps), init_std=float(c.init_std),
       dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype),
       attention_impl=c.attention_impl, moe_impl=c.moe_impl, remat=bool(c.remat),
-      layers=layers, mtp_layers=mtp, scan=scan_plan(layers) if c.scan_layers else ())
+      layers=layers, mtp_layers=mtp, scan=scan_plan(layers) if c.scan_layers else (),
+      expert_parallel=str(c.get("expert_parallel", "none")))
 
 
 # ---------------------------------------------------------------------------------------------------------------

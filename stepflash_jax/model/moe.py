@@ -6,8 +6,10 @@
   y = sum_k w_k * Expert_{chosen_k}(x) + SharedExpert(x)      (shared expert always on, unscaled)
 
 Dropless: tokens are sorted by expert and the experts run as grouped matmuls (`ops.grouped_matmul`), whose cost
-scales with the routed rows, not with the number of experts. Statistics for load balancing and routing
-confidence are sown into the "moe_stats" collection (`apply(..., mutable=["moe_stats"])`).
+scales with the routed rows, not with the number of experts. Under parallel.use_mesh with expert_parallel set
+(ModelArgs.expert_parallel, e.g. "auto") the routed experts run expert-parallel in a shard_map instead
+(parallel/expert_parallel.py: same result, tokens exchanged between the devices holding their experts).
+Statistics for load balancing and routing confidence are sown into the "moe_stats" collection (`apply(..., mutable=["moe_stats"])`).
 """
 import flax.linen as nn
 import jax

@@ -91,4 +91,9 @@ def validate_run_config(c, num_devices: int | None = None) -> None:
     if r.temperature <= 0:
       _err("rl.temperature", f"must be > 0, got {r.temperature}")
   if num_devices is not None:
-    mesh_shape(c.mesh, num_devices)
+    sizes = mesh_shape(c.mesh, num_devices)
+    if c.model.num_experts % sizes["expert"]:
+      _err("mesh.expert", f"{sizes['expert']} does not divide model.num_experts={c.model.num_experts}")
+  if "rules" in c.mesh:
+    from stepflash_jax.parallel.mesh import check_rules
+    check_rules(tuple(tuple(r) for r in c.mesh.rules))

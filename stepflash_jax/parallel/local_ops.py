@@ -1,0 +1,55 @@
+"""Kernels that must see per-device shapes (Pallas) wrapped in shard_map, for use under parallel.use_mesh.
+
+GSPMD cannot partition a Pallas call: called on sharded operands it would gather them. Attention is independent
+per (sequence, kv head group), so it runs locally on the batch shards (mesh axes of "batch") and head shards
+(mesh axes of "heads" = "kv_heads", e.g. tensor) with no communication. The grouped matmul of the MoE already
+runs inside the expert-parallel shard_map (expert_parallel.py).
+"""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+from jax.sharding import PartitionSpec as P
+
+from stepflash_jax import ops
+
+
+def _axes(spec_entry) -> tuple:
+  return () if spec_entry is None else ((spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry))
+
+
+def sliding_window_attention(q, k, v, *, window, segment_ids=None, implementation=None, scale=None):
+  """ops.sliding_window_attention (same arguments and result), per device when a mesh is in context.
+
+  q [B, T, Hq, D], k/v [B, T, Hkv, D], segment_ids [B, T] or None. Batch split over the dividing subset of the
+  "batch" mesh axes, heads over the "kv_heads" axes when they divide both Hq and Hkv (query head h uses kv head
+  h // G, so contiguous head shards stay aligned); otherwise that dimension stays whole."""
+  f = lambda q, k, v, s: ops.sliding_window_attention(q, k, v, window=window, segment_ids=s,
+                                                      implementation=implementation, scale=scale)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return f(q, k, v, segment_ids)
+  from stepflash_jax.parallel.mesh import DEFAULT_RULES, resolve
+  rules = nn.get_logical_axis_rules() or DEFAULT_RULES
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  B, Hq, Hkv = q.shape[0], q.shape[2], k.shape[2]
+  tok = _axes(resolve(("batch",), rules)[0])
+  best = ()
+  for m in range(1 << len(tok)):
+    sub = tuple(a for i, a in enumerate(tok) if m >> i & 1)
+    n = math.prod(sizes[a] for a in sub)
+    if B % n == 0 and n > math.prod(sizes[a] for a in best):
+      best = sub
+  heads = tuple(a for a in _axes(resolve(("kv_heads",), rules)[0]) if a not in best)
+  nh = math.prod(sizes[a] for a in heads)
+  if Hkv % nh or Hq % nh:
+    heads = ()
+  b = None if not best else (best[0] if len(best) == 1 else best)
+  h = None if not heads else (heads[0] if len(heads) == 1 else heads)
+  qkv = P(b, None, h, None)
+  if segment_ids is None:
+    return jax.shard_map(lambda q, k, v: f(q, k, v, None), mesh=mesh, in_specs=(qkv, qkv, qkv),
+                         out_specs=qkv)(q, k, v)
+  return jax.shard_map(f, mesh=mesh, in_specs=(qkv, qkv, qkv, P(b, None)), out_specs=qkv)(q, k, v, segment_ids)
