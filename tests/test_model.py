@@ -119,7 +119,7 @@ def test_scan_equals_unrolled_and_attention_impls_agree(scan_cfg, tiny_vars, tmp
   cfg_u, v_u = sfj.load_hf_checkpoint(str(tmp_path), scan_layers=False, attention_impl="reference",
                                       moe_impl="reference")
   assert "blocks" not in v_u["params"] and "layer_5" in v_u["params"]
-  tokens = jax.random.randint(jax.random.key(1), (2, 48), 0, tiny_cfg.vocab_size)
+  tokens = jax.random.randint(jax.random.key(1), (2, 48), 0, scan_cfg.vocab_size)
   np.testing.assert_allclose(sfj.forward(scan_cfg, tiny_vars, tokens), sfj.forward(cfg_u, v_u, tokens),
                              rtol=1e-4, atol=1e-4)
 

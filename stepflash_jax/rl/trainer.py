@@ -25,6 +25,7 @@ import numpy as np
 import optax
 
 from stepflash_jax import model as model_lib
+from stepflash_jax import parallel
 from stepflash_jax.data import load_tokenizer, prompt_dataset
 from stepflash_jax.model.moe import stat_mean
 from stepflash_jax.optim import muon
@@ -142,14 +143,20 @@ def repeat_prompts(batch, n):
   return out
 
 
-def minibatches(batch, n, rng):
+def minibatches(batch, n, rng, mesh, rules):
   perm = rng.permutation(len(batch["mask"]))
   for idx in np.array_split(perm, n):
-    yield {k: jnp.asarray(v[idx]) for k, v in batch.items()}
+    yield parallel.shard_batch({k: v[idx] for k, v in batch.items()}, mesh, rules, global_batch=True)
 
 
 def run(config, workdir: str, log=print):
   """The main job: SFT (or reuse its checkpoint) -> held-out eval -> RL -> eval, summary, plots."""
+  mesh, rules = parallel.make_mesh(config.mesh), parallel.rules(config)
+  with parallel.use_mesh(mesh, rules):
+    return _run(config, workdir, log, mesh, rules)
+
+
+def _run(config, workdir, log, mesh, rules):
   rc = config.rl
   # The SFT stage: trained here on the first run, resumed/reused afterwards; rl.sft_workdir points several RL runs
   # (e.g. the mismatch lab's variants) at one shared SFT run.
@@ -164,10 +171,11 @@ def run(config, workdir: str, log=print):
 
   actor_tx = optimizer(rc, config.optim, rc.actor_lr, rc.actor_warmup)
   critic_tx = optimizer(rc, config.optim, rc.critic_lr, rc.critic_warmup)
-  critic_vars = critic_from_actor(ref)
-  state = {"actor": {"params": ref["params"], "router": ref["router"], "opt": actor_tx.init(ref["params"])},
+  critic_vars = parallel.place_state(critic_from_actor(ref), args, mesh, rules)
+  state = {"actor": {"params": ref["params"], "router": ref["router"],
+                     "opt": parallel.init_opt_state(actor_tx, ref["params"], args, mesh, rules)},
            "critic": {"params": critic_vars["params"], "router": critic_vars["router"],
-                      "opt": critic_tx.init(critic_vars["params"])},
+                      "opt": parallel.init_opt_state(critic_tx, critic_vars["params"], args, mesh, rules)},
            "step": jnp.int32(0)}
   data = iter(prompt_dataset(tok, batch_size=rc.prompts_per_step, max_prompt_len=P, mixture=config.data.mixture,
                              seed=config.seed + 1))
@@ -193,26 +201,29 @@ def run(config, workdir: str, log=print):
     actor = state["actor"]
     stale.append({"params": actor["params"], "router": actor["router"]})
     prompts = repeat_prompts(next(data), rc.samples_per_prompt)
-    gen = engine.generate(stale[0], prompts["tokens"], prompts["lengths"], jax.random.key(rng.integers(2**31)))
+    pb = parallel.shard_batch({"tokens": prompts["tokens"], "lengths": prompts["lengths"]}, mesh, rules,
+                              global_batch=True)
+    gen = parallel.to_host(engine.generate(stale[0], pb["tokens"], pb["lengths"], jax.random.key(rng.integers(2**31))))
     batch = sequences(prompts, gen)
     texts = [tok.decode(r, stop_at_eos=True) for r in batch["response"]]
     scored = score_batch(rc.reward, prompts["examples"], texts, np.asarray(gen["truncated"]))
-    jb = {k: jnp.asarray(v) for k, v in batch.items()}
+    jb = parallel.shard_batch(batch, mesh, rules, global_batch=True)
     logp_old, entropy, conf_train = fns.score(actor["params"], actor["router"], jb)
     logp_ref = fns.score(ref["params"], ref["router"], jb)[0] if rc.kl_coef > 0 else logp_old
     values = fns.values(state["critic"]["params"], state["critic"]["router"], jb)
     adv, ret = fns.advantages(values, jb["mask"], jnp.asarray(scored["reward"]), jnp.asarray(scored["truncated"]))
+    logp_old, logp_ref, adv, ret, values = parallel.to_host((logp_old, logp_ref, adv, ret, values))
     batch.update(logp_old=np.asarray(logp_old), logp_ref=np.asarray(logp_ref), adv=np.asarray(adv),
                  returns=np.asarray(ret))
     am, cm = [], []
-    for mb in minibatches(batch, rc.actor_minibatches, rng):
+    for mb in minibatches(batch, rc.actor_minibatches, rng, mesh, rules):
       state["actor"], m = fns.actor_step(state["actor"], mb)
       am.append(m)
-    for mb in minibatches(batch, rc.critic_minibatches, rng):
+    for mb in minibatches(batch, rc.critic_minibatches, rng, mesh, rules):
       state["critic"], m = fns.critic_step(state["critic"], mb)
       cm.append(m)
     state["step"] = state["step"] + 1
-    am, cm = jax.device_get(am), jax.device_get(cm)
+    am, cm = parallel.to_host(am), parallel.to_host(cm)
     gn = np.array([m["actor_grad_norm"] for m in am])
     n_tok = float(batch["mask"].sum())
     metrics = {k: float(np.mean([m[k] for m in am])) for k in am[0] if k not in ("skipped",)}

@@ -18,6 +18,7 @@ import numpy as np
 import optax
 
 from stepflash_jax import model as model_lib
+from stepflash_jax import parallel
 from stepflash_jax.data import future_targets, load_tokenizer, sft_dataset
 from stepflash_jax.model.moe import ep_balance_loss, update_router_bias
 from stepflash_jax.optim import muon
@@ -104,19 +105,25 @@ def make_train_step(args, tx, tcfg, lr_fn, mask):
 
 
 def train(config, workdir: str, log=print):
-  """Run (or resume) SFT into workdir; returns {"variables", "accuracy", "step"}."""
+  """Run (or resume) SFT into workdir on the mesh of config.mesh; returns {"variables", "accuracy", "step", ...}."""
+  mesh, rules = parallel.make_mesh(config.mesh), parallel.rules(config)
+  with parallel.use_mesh(mesh, rules):
+    return _train(config, workdir, log, mesh, rules)
+
+
+def _train(config, workdir, log, mesh, rules):
   os.makedirs(workdir, exist_ok=True)
   args = model_lib.as_args(config.model)
   t = config.train
   tok = load_tokenizer(config.data.tokenizer_dir or None, vocab_size=config.model.vocab_size)
-  data = sft_dataset(tok, batch_size=config.data.batch_size, seq_len=config.data.seq_len,
+  data = sft_dataset(tok, batch_size=parallel.local_batch_size(config.data.batch_size), seq_len=config.data.seq_len,
                      mixture=config.data.mixture, seed=config.seed)
   it = iter(data)
   lr_fn = lr_schedule(config.optim.lr, t.steps, config.optim.warmup_frac, config.optim.end_lr_frac)
   tx = make_optimizer(config.optim, lr_fn)
-  variables = model_lib.init(args, jax.random.key(config.seed))
+  variables = parallel.init_variables(args, jax.random.key(config.seed), mesh, rules)   # created sharded
   state = {"params": variables["params"], "router": variables["router"],
-           "opt": tx.init(variables["params"]), "step": jnp.int32(0)}
+           "opt": parallel.init_opt_state(tx, variables["params"], args, mesh, rules), "step": jnp.int32(0)}
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=t.keep_checkpoints)
   start = ckpt.latest_step()
   if start is not None:
@@ -131,7 +138,7 @@ def train(config, workdir: str, log=print):
                   start_step=start)
   acc = None
   for step in range(start, t.steps):
-    batch = {k: jnp.asarray(v) for k, v in next(it).items()}
+    batch = parallel.shard_batch(next(it), mesh, rules)
     state, metrics = step_fn(state, batch)
     metrics = {k: float(v) for k, v in metrics.items()}
     if metrics["skipped"]:
