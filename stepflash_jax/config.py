@@ -281,8 +281,12 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
       rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
       max_position_embeddings=int(hf.get("max_position_embeddings", hf.get("max_seq_len", 262144))),
   )
+  c.update({k: v for k, v in (hf.get("stepflash_jax") or {}).items() if k in _IMPL_KEYS})
   validate(c)
   return c
+
+
+_IMPL_KEYS = ("dtype", "attention_impl", "moe_impl", "scan_layers", "remat", "expert_parallel")
 
 
 def to_hf_config(c) -> dict:
@@ -310,6 +314,8 @@ def to_hf_config(c) -> dict:
       "tie_word_embeddings": False, "rms_norm_eps": c.rms_norm_eps,
       "max_position_embeddings": c.max_position_embeddings, "max_seq_len": c.max_position_embeddings,
       "torch_dtype": "bfloat16",
+      # Our implementation switches (ignored by other readers), so that load(save(x)) rebuilds the same tree.
+      "stepflash_jax": {k: c[k] for k in _IMPL_KEYS if k in c},
   }
 
 
