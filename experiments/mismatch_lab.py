@@ -1,0 +1,578 @@
+"""The mismatch lab (STEP35.md §3): MIS-PO, PPO, GSPO and TIS under controlled train/inference mismatch.
+
+  python experiments/mismatch_lab.py --config=configs/lab.py [--workdir=runs/lab]        # ~40 min on 2 CPU cores
+  python experiments/mismatch_lab.py --config=configs/lab.py:small --workdir=/tmp/lab    # ~2-3 min smoke run
+
+One SFT checkpoint (<workdir>/sft, trained once) is the start of every variant (rl.sft_workdir). Then:
+  1. probe: one batch sampled from the SFT policy by each engine setting (fp32, bf16, bf16 + logit noise), scored by
+     the fp32 training engine: |log pi_old - log pi_vllm| statistics, MIS keep fractions, routing confidence
+     Sigma_k of the rollout and of the training pass, and per response its Sigma_k against its mismatch;
+  2. truncation calibration: the response-length distribution of the SFT policy at rl.max_new_tokens gives the
+     limit N that cuts ~lab.truncation_target of the responses (measured again at N);
+  3. variants: short RL runs (experiments/run.py's trainer) for every objective x mismatch setting x seed, and
+     MIS-PO at the limit N with truncation-aware bootstrapping vs reward 0 (several seeds);
+  4. lab_table.md/.csv (one row per variant group, seeds averaged, "mean ± sd" across seeds), lab_runs.csv (one row
+     per run), PNG plots (curves overlaid per setting and per objective, grad norms, truncation, routing).
+Every finished variant leaves <workdir>/runs/<name>/lab.json and is skipped on a rerun; an interrupted one resumes
+from its checkpoint. XLA compilations are cached on disk (lab.compile_cache) so variants of one objective compile
+once. For PPO and TIS, whose losses ignore pi_vllm, the MIS keep fractions are diagnostics (what MIS-PO would keep).
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+
+CURVE_KEYS = ["reward", "accuracy", "actor_grad_norm", "kept_frac", "mis_token_keep_frac", "mis_traj_keep_frac",
+              "entropy", "logp_abs_diff_mean", "logp_abs_diff_max", "confidence_rollout", "confidence_train", "kl"]
+TRUNC_KEYS = ["reward", "accuracy", "truncation_rate", "response_tokens", "value_mean", "actor_grad_norm",
+              "entropy", "critic_loss", "eval/accuracy"]
+COLUMNS = [  # (table header, row key); the markdown table shows these, the CSVs hold every row key
+    ("variant", "group"), ("seeds", "seeds"), ("gens", "gens"), ("N", "max_new_tokens"),
+    ("gn mean", "gn_mean"), ("gn std", "gn_std"), ("gn std/mean", "gn_cv"), ("gn max", "gn_max"),
+    ("reward first", "reward_first"), ("reward last", "reward_last"), ("acc SFT", "acc_before"),
+    ("acc after", "acc_after"), ("tok keep", "token_keep"), ("traj keep", "traj_keep"), ("kept", "kept"),
+    ("|dlogp| mean", "logp_diff_mean"), ("|dlogp| max", "logp_diff_max"), ("entropy first", "entropy_first"),
+    ("entropy last", "entropy_last"), ("kl", "kl"), ("trunc", "trunc_rate"), ("conf rollout", "conf_rollout"),
+    ("conf train", "conf_train"), ("min", "minutes")]
+SD_KEYS = ("gn_mean", "gn_std", "reward_last", "acc_after")   # shown as "mean ± sd" when a group has > 1 seed
+
+
+def split(s, cast=str):
+  return [cast(x.strip()) for x in str(s).split(",") if x.strip()]
+
+
+def setting_overrides(lab, setting: str) -> dict:
+  """The rl.* overrides of one mismatch setting (configs/lab.py)."""
+  table = {"fp32": dict(rollout_dtype="float32"),
+           "bf16": dict(rollout_dtype="bfloat16"),
+           "noise": dict(rollout_dtype="bfloat16", logit_noise=float(lab.noise_scale)),
+           "stale": dict(rollout_dtype="bfloat16", staleness=int(lab.stale_steps))}
+  if setting not in table:
+    raise ValueError(f"config field 'lab.settings': unknown setting {setting!r}, known: {sorted(table)}")
+  return table[setting]
+
+
+def variants(config, trunc_len: int | None) -> list[dict]:
+  """Every run of the lab: dict(name, group, objective, setting, seed, truncation, rl overrides)."""
+  lab = config.lab
+  seeds, extra = split(lab.seeds, int), split(lab.extra_seeds, int)
+  multi = set(split(lab.multi_seed))
+  out = []
+  for obj in split(lab.objectives):
+    for setting in split(lab.settings):
+      group = f"{obj}/{setting}"
+      for seed in seeds + (extra if f"{obj}:{setting}" in multi else []):
+        out.append(dict(name=f"{obj}-{setting}-s{seed}", group=group, objective=obj, setting=setting, seed=seed,
+                        truncation=config.rl.truncation,
+                        rl=dict(objective=obj, **setting_overrides(lab, setting))))
+  if trunc_len:
+    for mode in split(lab.truncation_modes):
+      for seed in seeds + extra:
+        out.append(dict(name=f"trunc-{mode}-n{trunc_len}-s{seed}", group=f"mispo/bf16/trunc-{mode}", seed=seed,
+                        objective="mispo", setting="bf16", truncation=mode,
+                        rl=dict(objective="mispo", rollout_dtype="bfloat16", truncation=mode,
+                                max_new_tokens=int(trunc_len), steps=int(lab.truncation_steps))))
+  return out
+
+
+def run_priority(v: dict):
+  """Run order: seed 0 of MIS-PO / PPO under bf16, the truncation pair, the other bf16 runs, the rest; then seeds."""
+  trunc = v["name"].startswith("trunc-")
+  rank = (0 if v["group"] in ("mispo/bf16", "ppo/bf16") else 1 if trunc else 2 if v["setting"] == "bf16" else 3)
+  return (v["seed"], rank)
+
+
+def variant_config(config, v: dict, sft_dir: str):
+  c = config.copy_and_resolve_references()
+  with c.unlocked():
+    c.seed = v["seed"]
+    c.rl.update(v["rl"])
+    c.rl.sft_workdir = sft_dir
+    c.rl.eval_every = c.rl.steps
+    c.rl.checkpoint_every = min(c.rl.checkpoint_every, c.rl.steps)
+  return c
+
+
+# ------------------------------------------------------------------------------------------- logged mismatch stats
+def mismatch_stats(rcfg, mb) -> dict:
+  """|log pi_old - log pi_vllm| mean / max over valid tokens and the MIS keep fractions of a mini-batch (constants)."""
+  import jax.numpy as jnp
+  from stepflash_jax.rl import losses
+  keep, info = losses.mis_mask(mb["logp_old"], mb["logp_rollout"], mb["mask"], tuple(rcfg.token_bounds),
+                               tuple(rcfg.traj_bounds))
+  n = jnp.maximum(info["valid"].sum(), 1)
+  ad = jnp.abs(info["log_x"])
+  return {"logp_abs_diff_mean": ad.sum() / n, "logp_abs_diff_max": ad.max(),
+          "log_rho_abs_mean": jnp.abs(info["log_rho"]).sum() / jnp.maximum(info["nonempty"].sum(), 1),
+          "mis_token_keep_frac": info["token_ok"].sum() / n,
+          "mis_traj_keep_frac": info["traj_ok"].sum() / jnp.maximum(info["nonempty"].sum(), 1),
+          "mis_kept_frac": keep.sum() / n}
+
+
+@contextlib.contextmanager
+def logged_mismatch():
+  """Every objective also logs `mismatch_stats` (PPO and TIS do not compute them); the losses are unchanged."""
+  from stepflash_jax.rl import trainer
+  orig = trainer.objective
+
+  def objective(rcfg, logp, mb):
+    loss, m = orig(rcfg, logp, mb)
+    return loss, {**mismatch_stats(rcfg, mb), **m}
+
+  trainer.objective = objective
+  try:
+    yield
+  finally:
+    trainer.objective = orig
+
+
+# ------------------------------------------------------------------------------------------- probe on the SFT policy
+def _sequence_scorer(args, prompt_len):
+  """jit: (variables, batch) -> logp_old [B, R] (fp32 training engine) and per-response routing confidence [B]
+  (Sigma_k over the response tokens only: a pass over prompt + response minus a prompt-only pass, per sequence)."""
+  import jax
+  import jax.numpy as jnp
+  from stepflash_jax import model as model_lib
+  from stepflash_jax.rl import trainer
+
+  def leaves(st, name):
+    return jnp.stack([v[0].reshape(()) for p, v in jax.tree_util.tree_flatten_with_path(
+        st, is_leaf=lambda x: isinstance(x, tuple))[0] if getattr(p[-1], "key", None) == name])     # [L]
+
+  def one(variables, tokens, positions, seg):
+    def run(s):
+      _, st = model_lib.apply(args, variables, tokens[None], positions=positions[None], segment_ids=s[None],
+                              stats=True)
+      return leaves(st, "confidence"), leaves(st, "tokens")
+    c_all, n_all = run(seg)
+    c_p, n_p = run(seg.at[prompt_len:].set(0))
+    return jnp.mean((c_all * n_all - c_p * n_p) / jnp.maximum(n_all - n_p, 1.0))
+
+  @jax.jit
+  def score(variables, mb):
+    logits, _ = trainer.response_logits(args, variables, mb, prompt_len)
+    conf = jax.vmap(one, in_axes=(None, 0, 0, 0))(variables, mb["tokens"], mb["positions"], mb["segment_ids"])
+    return trainer.token_logp(logits, mb["response"]), conf
+  return score
+
+
+def _prompt_batches(config, tok, seed):
+  """lab.probe_batches fixed batches of lab.probe_prompts prompts x samples_per_prompt (the RL batch shape)."""
+  from stepflash_jax.data import prompt_dataset
+  from stepflash_jax.rl import trainer
+  it = iter(prompt_dataset(tok, batch_size=int(config.lab.probe_prompts), max_prompt_len=config.data.max_prompt_len,
+                           mixture=config.data.mixture, seed=seed))
+  return [trainer.repeat_prompts(next(it), config.rl.samples_per_prompt) for _ in range(int(config.lab.probe_batches))]
+
+
+def probe(config, variables, tok, log=print) -> list[dict]:
+  """Sample from the SFT policy with each engine setting; mismatch and routing-confidence statistics."""
+  import jax
+  import jax.numpy as jnp
+  from stepflash_jax import model as model_lib
+  from stepflash_jax.rl import losses, trainer
+  from stepflash_jax.rl.rollout import RolloutEngine
+  lab, rc, P = config.lab, config.rl, config.data.max_prompt_len
+  batches = _prompt_batches(config, tok, config.seed + 1000)
+  score = _sequence_scorer(model_lib.as_args(config.model), P)
+  settings = [("fp32", "float32", 0.0), ("bf16", "bfloat16", 0.0)]
+  settings += [(f"bf16+noise{s:g}", "bfloat16", s) for s in split(lab.probe_noise, float)]
+  rows = []
+  for name, dtype, noise in settings:
+    engine = RolloutEngine(config.model, max_prompt_len=P, max_new_tokens=rc.max_new_tokens, eos_id=tok.eos_id,
+                           pad_id=tok.pad_id, dtype=dtype, temperature=rc.temperature, top_p=rc.top_p,
+                           logit_noise=noise)
+    parts = []
+    for i, prompts in enumerate(batches):
+      gen = engine.generate(variables, prompts["tokens"], prompts["lengths"], jax.random.key(config.seed + i))
+      batch = trainer.sequences(prompts, gen)
+      logp_old, conf = score(variables, {k: jnp.asarray(v) for k, v in batch.items()})
+      parts.append(dict(logp_old=np.asarray(logp_old), conf=np.asarray(conf), mask=batch["mask"],
+                        logp_rollout=batch["logp_rollout"], truncated=np.asarray(gen["truncated"]),
+                        conf_rollout=float(gen["routing_confidence"])))
+    cat = lambda k: np.concatenate([p[k] for p in parts])
+    logp_old, conf, mask, logp_rollout = cat("logp_old"), cat("conf"), cat("mask"), cat("logp_rollout")
+    keep, info = losses.mis_mask(jnp.asarray(logp_old), jnp.asarray(logp_rollout), jnp.asarray(mask),
+                                 tuple(rc.token_bounds), tuple(rc.traj_bounds))
+    diff = np.abs(logp_old - logp_rollout)
+    ad = diff[mask > 0]
+    per_seq = (diff * mask).sum(1) / np.maximum(mask.sum(1), 1)
+    traj_ok = np.asarray(info["traj_ok"])
+    corr = float(np.corrcoef(conf, per_seq)[0, 1]) if per_seq.std() > 0 and conf.std() > 0 else float("nan")
+    rows.append(dict(
+        setting=name, dtype=dtype, noise=noise, responses=len(mask), tokens=int(mask.sum()),
+        logp_diff_mean=float(ad.mean()), logp_diff_p50=float(np.percentile(ad, 50)),
+        logp_diff_p90=float(np.percentile(ad, 90)), logp_diff_p99=float(np.percentile(ad, 99)),
+        logp_diff_max=float(ad.max()), log_rho_mean=float(np.asarray(info["log_rho"]).mean()),
+        token_keep=float(np.asarray(info["token_ok"]).sum() / mask.sum()), traj_keep=float(traj_ok.mean()),
+        kept=float(np.asarray(keep).sum() / mask.sum()),
+        conf_rollout=float(np.mean([p["conf_rollout"] for p in parts])), conf_train=float(conf.mean()),
+        conf_kept=float(conf[traj_ok].mean()) if traj_ok.any() else float("nan"),
+        conf_filtered=float(conf[~traj_ok].mean()) if (~traj_ok).any() else float("nan"),
+        corr_conf_dlogp=corr, truncation_rate=float(cat("truncated").mean()),
+        mean_len=float(mask.sum(1).mean()), per_seq_conf=conf.tolist(), per_seq_dlogp=per_seq.tolist()))
+    log(f"lab probe {name:>16}: |dlogp| mean {ad.mean():.4f} p99 {np.percentile(ad, 99):.3f} | traj keep "
+        f"{traj_ok.mean():.2f} | Sigma_k rollout {rows[-1]['conf_rollout']:.4f} train {conf.mean():.4f} | "
+        f"corr(Sigma_k, |dlogp|) {corr:+.2f}")
+  return rows
+
+
+def truncation_limit(lengths, truncated, max_new_tokens: int, target: float):
+  """The limit n in [1, max_new_tokens] whose cut fraction is closest to `target` (ties: the larger n), and that
+  fraction. A response of length L (EOS included) is cut at limit n iff L > n or it was cut at max_new_tokens.
+  lengths int [B], truncated bool [B] (from one sample at max_new_tokens)."""
+  lengths, truncated = np.asarray(lengths), np.asarray(truncated, bool)
+  if lengths.shape != truncated.shape or lengths.ndim != 1:
+    raise ValueError(f"lengths {lengths.shape} and truncated {truncated.shape} must be equal [B] shapes")
+  cut = {n: float(np.mean((lengths > n) | truncated)) for n in range(1, int(max_new_tokens) + 1)}
+  n = min(cut, key=lambda k: (abs(cut[k] - target), -k))
+  return n, cut[n]
+
+
+def calibrate_truncation(config, variables, tok, log=print) -> dict:
+  """The limit N that cuts ~lab.truncation_target of the SFT policy's responses, measured again at N (bf16)."""
+  import jax
+  from stepflash_jax.rl.rollout import RolloutEngine
+  rc, P = config.rl, config.data.max_prompt_len
+  batches = _prompt_batches(config, tok, config.seed + 2000)
+
+  def sample(n):
+    engine = RolloutEngine(config.model, max_prompt_len=P, max_new_tokens=n, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                           dtype="bfloat16", temperature=rc.temperature, top_p=rc.top_p)
+    outs = [engine.generate(variables, b["tokens"], b["lengths"], jax.random.key(config.seed + 7 + i))
+            for i, b in enumerate(batches)]
+    return (np.concatenate([np.asarray(o["lengths"]) for o in outs]),
+            np.concatenate([np.asarray(o["truncated"]) for o in outs]))
+  lengths, trunc = sample(rc.max_new_tokens)
+  n, cut = truncation_limit(lengths, trunc, rc.max_new_tokens, config.lab.truncation_target)
+  _, trunc_n = sample(n)
+  res = dict(target=float(config.lab.truncation_target), max_new_tokens=int(n), predicted_rate=cut,
+             measured_rate=float(trunc_n.mean()), full_limit=int(rc.max_new_tokens),
+             full_limit_rate=float(trunc.mean()), mean_len=float(lengths.mean()), responses=int(len(lengths)),
+             length_quantiles={q: float(np.percentile(lengths, q)) for q in (50, 80, 90, 100)},
+             lengths=lengths.tolist(), truncated_at_full_limit=trunc.tolist())
+  log(f"lab truncation: limit {n} cuts {res['measured_rate']:.1%} of the SFT policy's responses "
+      f"(predicted {cut:.1%}; {res['full_limit_rate']:.1%} at {rc.max_new_tokens})")
+  return res
+
+
+# ------------------------------------------------------------------------------------------- summaries
+def _mean(rows, k, sl=slice(None)):
+  vals = [r[k] for r in rows[sl] if k in r and r[k] is not None]
+  return float(np.mean(vals)) if vals else float("nan")
+
+
+def run_row(v: dict, workdir: str) -> dict:
+  from stepflash_jax.train.metrics import read_jsonl
+  rd = os.path.join(workdir, "runs", v["name"])
+  recs = read_jsonl(os.path.join(rd, "rl", "metrics_rl.jsonl"))
+  with open(os.path.join(rd, "lab.json")) as f:
+    meta = json.load(f)
+  gn = np.array([r["actor_grad_norm"] for r in recs])
+  q = max(1, len(recs) // 4)
+  row = dict(name=v["name"], group=v["group"], objective=v["objective"], setting=v["setting"], seed=v["seed"],
+             truncation=v["truncation"], max_new_tokens=meta["max_new_tokens"], gens=len(recs),
+             gn_mean=float(gn.mean()), gn_std=float(gn.std()), gn_cv=float(gn.std() / max(gn.mean(), 1e-12)),
+             gn_max=max(r.get("actor_grad_norm_max", r["actor_grad_norm"]) for r in recs),
+             reward_first=_mean(recs, "reward", slice(0, q)), reward_last=_mean(recs, "reward", slice(-q, None)),
+             acc_before=meta["accuracy_before"], acc_after=meta["accuracy_after"],
+             token_keep=_mean(recs, "mis_token_keep_frac"), traj_keep=_mean(recs, "mis_traj_keep_frac"),
+             kept=_mean(recs, "kept_frac") if v["objective"] in ("mispo", "gspo") else 1.0,
+             logp_diff_mean=_mean(recs, "logp_abs_diff_mean"),
+             logp_diff_max=max(r.get("logp_abs_diff_max", float("nan")) for r in recs),
+             entropy_first=_mean(recs, "entropy", slice(0, q)), entropy_last=_mean(recs, "entropy", slice(-q, None)),
+             kl=_mean(recs, "kl", slice(-q, None)), trunc_rate=_mean(recs, "truncation_rate"),
+             conf_rollout=_mean(recs, "confidence_rollout"), conf_train=_mean(recs, "confidence_train"),
+             minutes=meta["seconds"] / 60)
+  return row
+
+
+def group_rows(rows: list[dict]) -> list[dict]:
+  out = []
+  for g in dict.fromkeys(r["group"] for r in rows):
+    rs = [r for r in rows if r["group"] == g]
+    row = {k: rs[0][k] for k in ("group", "objective", "setting", "truncation", "max_new_tokens")}
+    row["seeds"] = len(rs)
+    for k in [c for _, c in COLUMNS if c not in row and c != "seeds"]:
+      vals = np.array([r[k] for r in rs], float)
+      row[k] = float(vals.mean()) if k != "gn_max" else float(vals.max())
+      if k in SD_KEYS:
+        row[k + "_sd"] = float(vals.std(ddof=1)) if len(rs) > 1 else float("nan")
+    out.append(row)
+  return out
+
+
+def markdown(groups: list[dict]) -> str:
+  from stepflash_jax.train.metrics import summary_table
+  _fmt_num = lambda x: f"{x:.4g}"
+  shown = []
+  for g in groups:
+    r = dict(g)
+    for k in SD_KEYS:
+      if g["seeds"] > 1:
+        r[k] = f"{_fmt_num(g[k])} ± {_fmt_num(g[k + '_sd'])}"
+    shown.append(r)
+  return summary_table(shown, [c for _, c in COLUMNS], [h for h, _ in COLUMNS])
+
+
+def write_csv(path, rows, keys=None):
+  keys = keys or list(dict.fromkeys(k for r in rows for k in r if not isinstance(r[k], (list, dict))))
+  with open(path, "w", newline="") as f:
+    w = csv.DictWriter(f, keys, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
+
+
+def _paired(rows, ga, gb, key):
+  """[(seed, a, b)] of `key` for the seeds run in both groups (same seed = same prompts and sampling keys)."""
+  a = {r["seed"]: r[key] for r in rows if r["group"] == ga}
+  b = {r["seed"]: r[key] for r in rows if r["group"] == gb}
+  return [(s, a[s], b[s]) for s in sorted(a) if s in b]
+
+
+def headline(groups: list[dict], trunc: dict | None, rows: list[dict] = ()) -> list[str]:
+  """The comparisons the report makes, in words, from the grouped rows (and per seed from the run rows)."""
+  g = {r["group"]: r for r in groups}
+  sd = lambda r, k: f" ± {r[k + '_sd']:.3g}" if r["seeds"] > 1 else ""
+  out = []
+  for setting in ("bf16", "fp32", "noise", "stale"):
+    a, b = g.get(f"mispo/{setting}"), g.get(f"ppo/{setting}")
+    if a and b:
+      pairs = _paired(rows, a["group"], b["group"], "gn_std")
+      per_seed = (f"; per seed MIS-PO/PPO {', '.join(f'{x / max(y, 1e-12):.2f}' for _, x, y in pairs)}"
+                  if len(pairs) > 1 else "")
+      out.append(f"- {setting}: actor grad-norm std MIS-PO {a['gn_std']:.3g}{sd(a, 'gn_std')} vs PPO "
+                 f"{b['gn_std']:.3g}{sd(b, 'gn_std')} (ratio {a['gn_std'] / max(b['gn_std'], 1e-12):.2f}{per_seed}; "
+                 f"std/mean {a['gn_cv']:.2f} vs {b['gn_cv']:.2f}; {a['seeds']} / {b['seeds']} seeds)")
+  bo, ze = g.get("mispo/bf16/trunc-bootstrap"), g.get("mispo/bf16/trunc-zero")
+  if bo and ze:
+    diff = lambda k: ", ".join(f"{x - y:+.3f}" for _, x, y in _paired(rows, bo["group"], ze["group"], k))
+    out.append(f"- truncation at N = {bo['max_new_tokens']} ({trunc['measured_rate']:.0%} of SFT samples cut; "
+               f"{bo['trunc_rate']:.0%} / {ze['trunc_rate']:.0%} during RL): bootstrap vs zero: reward (last quarter) "
+               f"{bo['reward_last']:.3f}{sd(bo, 'reward_last')} vs {ze['reward_last']:.3f}{sd(ze, 'reward_last')}, "
+               f"held-out accuracy {bo['acc_after']:.3f}{sd(bo, 'acc_after')} vs {ze['acc_after']:.3f}"
+               f"{sd(ze, 'acc_after')} (SFT {bo['acc_before']:.3f}), gn std {bo['gn_std']:.3g} vs {ze['gn_std']:.3g}; "
+               f"per seed bootstrap - zero: accuracy {diff('acc_after')}, reward {diff('reward_last')}")
+  return out
+
+
+# ------------------------------------------------------------------------------------------- plots
+def _mean_curves(workdir, names):
+  """Per-step mean over the runs `names` of every numeric key."""
+  from stepflash_jax.train.metrics import read_jsonl
+  by_step = {}
+  for n in names:
+    for r in read_jsonl(os.path.join(workdir, "runs", n, "rl", "metrics_rl.jsonl")):
+      by_step.setdefault(r["step"], []).append(r)
+  return [{"step": s, **{k: float(np.mean([r[k] for r in rs if k in r])) for k in rs[0] if k != "step"}}
+          for s, rs in sorted(by_step.items())]
+
+
+def plots(workdir, vs, rows, probe_rows) -> list[str]:
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+  from stepflash_jax.train.metrics import plot_metrics
+  out = []
+  main = [v for v in vs if not v["name"].startswith("trunc-")]
+  curves = {g: _mean_curves(workdir, [v["name"] for v in vs if v["group"] == g])
+            for g in dict.fromkeys(v["group"] for v in vs)}
+  for setting in dict.fromkeys(v["setting"] for v in main):
+    p = os.path.join(workdir, f"curves_setting_{setting}.png")
+    plot_metrics({g.split("/")[0]: curves[g] for g in curves if g.endswith(f"/{setting}")}, CURVE_KEYS, p,
+                 title=f"objectives under the {setting} engine (mean over seeds)")
+    out.append(p)
+  for obj in dict.fromkeys(v["objective"] for v in main):
+    p = os.path.join(workdir, f"curves_objective_{obj}.png")
+    plot_metrics({g.split("/")[1]: curves[g] for g in curves if g.startswith(f"{obj}/") and "trunc" not in g},
+                 CURVE_KEYS, p, title=f"{obj} under each mismatch setting (mean over seeds)")
+    out.append(p)
+  trunc_vs = [v for v in vs if v["name"].startswith("trunc-")]
+  if trunc_vs:
+    from stepflash_jax.train.metrics import read_jsonl
+    p = os.path.join(workdir, "truncation.png")
+    plot_metrics({v["name"]: read_jsonl(os.path.join(workdir, "runs", v["name"], "rl", "metrics_rl.jsonl"))
+                  for v in trunc_vs}, TRUNC_KEYS, p, title="truncation-aware bootstrapping vs reward 0")
+    out.append(p)
+  # grad-norm summary and routing confidence against mismatch
+  fig = Figure(figsize=(17, 4.2), dpi=100)
+  FigureCanvasAgg(fig)
+  ax = fig.add_subplot(1, 4, 1)
+  groups = [r for r in group_rows(rows) if "trunc" not in r["group"]]
+  ax.bar(range(len(groups)), [r["gn_std"] for r in groups],
+         yerr=[0 if r["seeds"] < 2 else r["gn_std_sd"] for r in groups], color="tab:blue")
+  ax.set_xticks(range(len(groups)), [r["group"] for r in groups], rotation=70, fontsize=7)
+  ax.set_title("actor grad-norm std over generations", fontsize=10)
+  if probe_rows:
+    ax = fig.add_subplot(1, 4, 2)
+    x = [r["logp_diff_mean"] for r in probe_rows]
+    ax.plot(x, [r["conf_train"] for r in probe_rows], "o-", label="training pass")
+    ax.plot(x, [r["conf_rollout"] for r in probe_rows], "s--", label="rollout engine")
+    for r in probe_rows:
+      ax.annotate(r["setting"], (r["logp_diff_mean"], r["conf_train"]), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("mean |log pi_old - log pi_vllm|")
+    ax.set_title("SFT policy: Sigma_k vs mismatch", fontsize=10)
+    ax.legend(fontsize=7)
+    ax = fig.add_subplot(1, 4, 3)
+    for r in probe_rows:
+      ax.scatter(r["per_seq_conf"], r["per_seq_dlogp"], s=8, label=f"{r['setting']} ({r['corr_conf_dlogp']:+.2f})")
+    ax.set_yscale("log")
+    ax.set_xlabel("response Sigma_k (training pass)")
+    ax.set_ylabel("response mean |dlogp|")
+    ax.set_title("per response (corr)", fontsize=10)
+    ax.legend(fontsize=6)
+  ax = fig.add_subplot(1, 4, 4)
+  from stepflash_jax.train.metrics import read_jsonl
+  for setting in dict.fromkeys(v["setting"] for v in main):
+    pts = [(r["logp_abs_diff_mean"], r["confidence_train"]) for v in main if v["setting"] == setting
+           for r in read_jsonl(os.path.join(workdir, "runs", v["name"], "rl", "metrics_rl.jsonl"))
+           if "logp_abs_diff_mean" in r]
+    if pts:
+      ax.scatter(*zip(*pts), s=8, label=setting)
+  ax.set_xscale("log")
+  ax.set_xlabel("mean |dlogp| per generation")
+  ax.set_ylabel("Sigma_k (training pass)")
+  ax.set_title("RL runs: Sigma_k vs mismatch", fontsize=10)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  p = os.path.join(workdir, "gradnorm_routing.png")
+  fig.savefig(p, format="png")
+  return out + [p]
+
+
+# ------------------------------------------------------------------------------------------- the lab
+def enable_compile_cache(path: str):
+  import jax
+  path = os.path.expanduser(path)
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def _cached_json(path, fn):
+  if os.path.exists(path):
+    with open(path) as f:
+      return json.load(f)
+  res = fn()
+  with open(path, "w") as f:
+    json.dump(res, f, indent=1)
+  return res
+
+
+PARTS = ("probe", "mismatch", "truncation")
+
+
+def run_lab(config, workdir: str, log=print, parts=PARTS) -> dict:
+  """Run (or resume) the lab into workdir; returns dict(table (markdown), groups, rows, probe, probe_table,
+  truncation, headline, plots). `parts` selects what to run (the probe, the objective x setting variants, the
+  truncation variants); the table and plots cover every variant of the config finished in workdir."""
+  from stepflash_jax.rl import trainer
+  from stepflash_jax.train import sft
+  bad = [p for p in parts if p not in PARTS]
+  if bad:
+    raise ValueError(f"run_lab: unknown parts {bad}, known: {PARTS}")
+  lab = config.lab
+  t_start = time.time()
+  if lab.get("compile_cache"):
+    enable_compile_cache(lab.compile_cache)
+  os.makedirs(workdir, exist_ok=True)
+  sft_dir = lab.get("sft_workdir") or os.path.join(workdir, "sft")
+  sft_out = sft.train(config, sft_dir, log=log)
+  variables, tok = sft_out["variables"], sft_out["tokenizer"]
+  log(f"lab: SFT checkpoint {sft_dir} (step {sft_out['step']}), held-out accuracy "
+      f"{sft_out['accuracy']['accuracy']:.3f}")
+  probe_path = os.path.join(workdir, "probe.json")
+  probe_rows = []
+  if "probe" in parts and lab.probe_batches:
+    probe_rows = _cached_json(probe_path, lambda: probe(config, variables, tok, log))
+  elif os.path.exists(probe_path):
+    probe_rows = _cached_json(probe_path, None)
+  trunc = None
+  if split(lab.truncation_modes) and lab.truncation_steps:
+    trunc = _cached_json(os.path.join(workdir, "truncation.json"),
+                         lambda: calibrate_truncation(config, variables, tok, log))
+  vs = variants(config, trunc and trunc["max_new_tokens"])
+  done = lambda v: os.path.exists(os.path.join(workdir, "runs", v["name"], "lab.json"))
+  todo = [v for v in vs if ("truncation" if v["name"].startswith("trunc-") else "mismatch") in parts]
+  todo.sort(key=run_priority)       # the headline comparisons first (seed 0), then the rest
+  with logged_mismatch():
+    for i, v in enumerate(todo):
+      if done(v):
+        continue
+      rd = os.path.join(workdir, "runs", v["name"])
+      log(f"lab: [{i + 1}/{len(todo)}] {v['name']}")
+      t0 = time.time()
+      cfg = variant_config(config, v, sft_dir)
+      s = trainer.run(cfg, rd, log=lambda *a, **k: None)
+      meta = dict(v, seconds=time.time() - t0, max_new_tokens=cfg.rl.max_new_tokens, **s)
+      with open(os.path.join(rd, "lab.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+      log(f"lab: {v['name']} done in {meta['seconds']:.0f}s: acc {s['accuracy_before']:.3f} -> "
+          f"{s['accuracy_after']:.3f}, actor grad norm {s['actor_grad_norm_mean']:.3g} ± {s['actor_grad_norm_std']:.3g}")
+  vs = [v for v in vs if done(v)]
+  rows = [run_row(v, workdir) for v in vs]
+  groups = group_rows(rows)
+  table = markdown(groups)
+  head = headline(groups, trunc, rows)
+  write_csv(os.path.join(workdir, "lab_runs.csv"), rows)
+  write_csv(os.path.join(workdir, "lab_table.csv"), groups)
+  from stepflash_jax.train.metrics import summary_table
+  probe_cols = ["setting", "responses", "tokens", "logp_diff_mean", "logp_diff_p50", "logp_diff_p90",
+                "logp_diff_p99", "logp_diff_max", "log_rho_mean", "token_keep", "traj_keep", "kept", "conf_rollout",
+                "conf_train", "conf_kept", "conf_filtered", "corr_conf_dlogp", "mean_len", "truncation_rate"]
+  probe_md = summary_table(probe_rows, probe_cols) if probe_rows else ""
+  if probe_rows:
+    write_csv(os.path.join(workdir, "probe.csv"), probe_rows, probe_cols)
+  png = plots(workdir, vs, rows, probe_rows)
+  with open(os.path.join(workdir, "lab_table.md"), "w") as f:
+    f.write("# Mismatch lab\n\n" + table + "\n\n" + "\n".join(head) + "\n")
+    if trunc:
+      f.write("\nTruncation calibration: " + json.dumps({k: v for k, v in trunc.items() if not isinstance(v, list)}) + "\n")
+    if probe_md:
+      f.write("\n## Probe: SFT policy sampled by each engine, scored by the fp32 training engine\n\n" + probe_md + "\n")
+    f.write("\ngn = actor gradient global norm (before clipping), per generation the mean over its actor mini-batches; "
+            "std/max over generations. |dlogp| = |log pi_old - log pi_vllm| over valid response tokens (max: mean "
+            "over mini-batches of the per-mini-batch max). tok/traj keep: the MIS filter (for PPO/TIS what it would "
+            "keep). conf = routing confidence Sigma_k. reward first/last, entropy first/last: first/last quarter "
+            "of the generations.\n")
+  log(table)
+  for line in head:
+    log(line)
+  log(f"lab: done in {(time.time() - t_start) / 60:.1f} min; {os.path.join(workdir, 'lab_table.md')}, plots: "
+      + ", ".join(os.path.basename(p) for p in png))
+  return dict(table=table, groups=groups, rows=rows, probe=probe_rows, probe_table=probe_md, truncation=trunc,
+              headline=head, plots=png)
+
+
+def main(argv):
+  del argv
+  from absl import logging
+  logging.set_verbosity(logging.WARNING)
+  from stepflash_jax.train.validate import validate_run_config
+  import jax
+  config = _CONFIG.value
+  try:
+    validate_run_config(config, num_devices=jax.device_count())
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  workdir = _WORKDIR.value or os.path.join("runs", "lab")
+  print(f"writing to {os.path.abspath(workdir)}", flush=True)
+  run_lab(config, workdir)
+
+
+if __name__ == "__main__":
+  from absl import app, flags
+  from ml_collections import config_flags
+  _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/lab.py, ':small' for the quick variant.",
+                                            lock_config=True)
+  _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default: runs/lab).")
+  flags.mark_flags_as_required(["config"])
+  app.run(main)
