@@ -1,11 +1,15 @@
 """The mismatch lab (STEP35.md §3): short RL runs from ONE SFT checkpoint under controlled train/inference mismatch.
 
-  python experiments/mismatch_lab.py --config=configs/lab.py [--workdir=runs/lab]              # full: ~40 min here
-  python experiments/mismatch_lab.py --config=configs/lab.py:small --workdir=/tmp/lab          # ~2-3 min smoke run
-Times are for this 2-core CPU when it is not shared. Rerunning the same command skips finished variants and resumes
-an interrupted one from its checkpoint. Outputs in the workdir: lab_table.md / lab_table.csv (one row per variant,
-seeds averaged), lab_runs.csv (one row per run), probe.md / probe.csv (mismatch vs routing confidence on the SFT
-policy), truncation.json, and PNG plots (curves overlaid per setting / per objective, truncation, routing).
+  python experiments/mismatch_lab.py --config=configs/lab.py [--workdir=runs/lab]         # full: ~45 min here
+  python experiments/mismatch_lab.py --config=configs/lab.py:small --workdir=/tmp/lab     # ~2.5 min (1.5 min warm)
+Measured on this 2-core CPU: full = 38 min for the probe, the truncation calibration and the 26 RL variants
+(~75 s each when the machine is not shared, 2-5 min when it is), plus the 300 SFT steps (~6 min) unless <workdir>/sft
+already holds that checkpoint (the main job's runs/mispo/sft is the same SFT: copy it there or set lab.sft_workdir).
+small = 2.6 min with cold caches (tokenizer, XLA), 1.4 min with a warm XLA cache (lab.compile_cache).
+Rerunning the same command skips finished variants and resumes an interrupted one from its checkpoint. Outputs in the
+workdir: lab_table.md / lab_table.csv (one row per variant group, seeds averaged, "mean ± sd" over seeds; the probe
+table and the headline comparisons are in lab_table.md too), lab_runs.csv (one row per run), probe.csv, truncation.json
+and PNG plots (curves overlaid per setting / per objective, grad-norm noise and routing confidence, truncation).
 
 Knobs of the lab (`lab.*`); the RL knobs themselves are those of configs/mispo.py:
   objectives       the actor losses compared ("mispo,ppo,gspo,tis")
@@ -68,8 +72,8 @@ def get_config(arg: str = ""):
   c.lab = l = ml_collections.ConfigDict()
   l.objectives = "mispo,ppo" if small else "mispo,ppo,gspo,tis"
   l.settings = "bf16,noise" if small else "fp32,bf16,noise,stale"
-  l.noise_scale = 0.5                 # logit-noise std: on the 500-step SFT policy |dlogp| 0.002 -> 0.013 (bf16 -> +noise),
-                                      # MIS trajectory keep 0.89 -> 0.50
+  l.noise_scale = 0.5                 # logit-noise std; on the SFT policy mean |dlogp| 0.0008 (bf16) -> 0.016 (+noise),
+                                      # MIS trajectory keep 0.90 -> 0.42 (probe.md)
   l.stale_steps = 2                   # rollouts from the actor of 2 generations ago
   l.seeds = "0"
   l.extra_seeds = "" if small else "1,2"

@@ -1,7 +1,7 @@
 """The mismatch lab (STEP35.md §3): MIS-PO, PPO, GSPO and TIS under controlled train/inference mismatch.
 
-  python experiments/mismatch_lab.py --config=configs/lab.py [--workdir=runs/lab]        # ~40 min on 2 CPU cores
-  python experiments/mismatch_lab.py --config=configs/lab.py:small --workdir=/tmp/lab    # ~2-3 min smoke run
+  python experiments/mismatch_lab.py --config=configs/lab.py [--workdir=runs/lab]        # ~45 min on 2 CPU cores
+  python experiments/mismatch_lab.py --config=configs/lab.py:small --workdir=/tmp/lab    # ~2.5 min smoke run
 
 One SFT checkpoint (<workdir>/sft, trained once) is the start of every variant (rl.sft_workdir). Then:
   1. probe: one batch sampled from the SFT policy by each engine setting (fp32, bf16, bf16 + logit noise), scored by
@@ -39,7 +39,7 @@ COLUMNS = [  # (table header, row key); the markdown table shows these, the CSVs
     ("gn mean", "gn_mean"), ("gn std", "gn_std"), ("gn std/mean", "gn_cv"), ("gn max", "gn_max"),
     ("reward first", "reward_first"), ("reward last", "reward_last"), ("acc SFT", "acc_before"),
     ("acc after", "acc_after"), ("tok keep", "token_keep"), ("traj keep", "traj_keep"), ("kept", "kept"),
-    ("|dlogp| mean", "logp_diff_mean"), ("|dlogp| max", "logp_diff_max"), ("entropy first", "entropy_first"),
+    ("abs dlogp mean", "logp_diff_mean"), ("abs dlogp max", "logp_diff_max"), ("entropy first", "entropy_first"),
     ("entropy last", "entropy_last"), ("kl", "kl"), ("trunc", "trunc_rate"), ("conf rollout", "conf_rollout"),
     ("conf train", "conf_train"), ("min", "minutes")]
 SD_KEYS = ("gn_mean", "gn_std", "reward_last", "acc_after")   # shown as "mean ± sd" when a group has > 1 seed
@@ -495,10 +495,11 @@ def run_lab(config, workdir: str, log=print, parts=PARTS) -> dict:
     probe_rows = _cached_json(probe_path, lambda: probe(config, variables, tok, log))
   elif os.path.exists(probe_path):
     probe_rows = _cached_json(probe_path, None)
-  trunc = None
-  if split(lab.truncation_modes) and lab.truncation_steps:
-    trunc = _cached_json(os.path.join(workdir, "truncation.json"),
-                         lambda: calibrate_truncation(config, variables, tok, log))
+  trunc, trunc_path = None, os.path.join(workdir, "truncation.json")
+  if "truncation" in parts and split(lab.truncation_modes) and lab.truncation_steps:
+    trunc = _cached_json(trunc_path, lambda: calibrate_truncation(config, variables, tok, log))
+  elif os.path.exists(trunc_path):
+    trunc = _cached_json(trunc_path, None)
   vs = variants(config, trunc and trunc["max_new_tokens"])
   done = lambda v: os.path.exists(os.path.join(workdir, "runs", v["name"], "lab.json"))
   todo = [v for v in vs if ("truncation" if v["name"].startswith("trunc-") else "mismatch") in parts]
@@ -539,8 +540,8 @@ def run_lab(config, workdir: str, log=print, parts=PARTS) -> dict:
     if probe_md:
       f.write("\n## Probe: SFT policy sampled by each engine, scored by the fp32 training engine\n\n" + probe_md + "\n")
     f.write("\ngn = actor gradient global norm (before clipping), per generation the mean over its actor mini-batches; "
-            "std/max over generations. |dlogp| = |log pi_old - log pi_vllm| over valid response tokens (max: mean "
-            "over mini-batches of the per-mini-batch max). tok/traj keep: the MIS filter (for PPO/TIS what it would "
+            "std/max over generations. abs dlogp = |log pi_old - log pi_vllm| over valid response tokens (max: over "
+            "generations of the mini-batch mean of the per-mini-batch max). tok/traj keep: the MIS filter (for PPO/TIS what it would "
             "keep). conf = routing confidence Sigma_k. reward first/last, entropy first/last: first/last quarter "
             "of the generations.\n")
   log(table)
