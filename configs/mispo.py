@@ -16,13 +16,13 @@ def get_config(arg: str = ""):
   # A shorter SFT than configs/sft.py (500 steps, ~76% held-out): ~55-60% leaves RL room to improve, and time.
   c.train.steps = 60 if small else 300
   c.train.eval_every = c.train.steps  # evaluate once, at the end of SFT
-  c.eval.num_examples = 32 if small else 128
+  c.eval.num_examples = 32 if small else 512   # 512 held-out problems: +-2 points (one sd), ~10 s of greedy decoding
 
   c.rl = r = ml_collections.ConfigDict()
   r.objective = "mispo"               # "mispo" | "ppo" | "gspo" | "tis"
-  r.steps = 4 if small else 40        # generations; one epoch over each
-  r.prompts_per_step = 8 if small else 12
-  r.samples_per_prompt = 6 if small else 4   # report: 16 per reasoning prompt; 48 responses per generation here
+  r.steps = 4 if small else 36        # generations; one epoch over each (~13 s each here)
+  r.prompts_per_step = 8 if small else 24
+  r.samples_per_prompt = 6 if small else 8   # report: 16 per reasoning prompt; 192 responses per generation here
   r.actor_minibatches = 4             # STEP35: 4 actor and 12 critic mini-batches per generation
   r.critic_minibatches = 12
   r.max_new_tokens = 64               # answers need <= ~45 tokens; shrink (e.g. 24) to study ~20% truncation
@@ -43,8 +43,8 @@ def get_config(arg: str = ""):
   r.truncation = "bootstrap"          # truncated responses get V(s_T); "zero" for the ablation
   r.reward = "rule"                   # stepflash_jax.rl.rewards registry
   # STEP35: actor 2e-6 / critic 5e-6 (ratio 2.5) with 20 / 50 warmup updates, after SFT at 1e-5. Muon steps have a
-  # fixed size whatever the gradient's norm, and 48 responses per generation are a noisy gradient: the actor runs at
-  # 1/30 of the SFT peak (3e-4 drifted: KL 0.3 and rambling-until-truncation after 20 generations).
+  # fixed size whatever the gradient's norm, and 192 responses per generation are still a noisy gradient: the actor
+  # runs at 1/30 of the SFT peak (3e-4 drifted: KL 0.3 and rambling-until-truncation after 20 generations).
   r.actor_lr = 1e-4
   r.critic_lr = 2.5e-4
   r.actor_warmup = 20
@@ -52,6 +52,6 @@ def get_config(arg: str = ""):
   r.freeze_router = True              # router weights frozen in RL as in SFT (switch for routing studies)
   r.sft_workdir = ""                  # "" = <workdir>/sft; or an existing SFT run to start from
   r.log_every = 1 if small else 5
-  r.eval_every = 4 if small else 10
+  r.eval_every = 4 if small else 12
   r.checkpoint_every = 2 if small else 10
   return c

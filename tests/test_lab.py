@@ -13,6 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 import mismatch_lab as lab  # noqa: E402
+from experiments import lab_report  # noqa: E402
 from stepflash_jax.config import load_config_file, validate  # noqa: E402
 from stepflash_jax.train.validate import validate_run_config  # noqa: E402
 
@@ -62,34 +63,6 @@ def test_variants_full(configs):
     lab.variants(bad, None)
 
 
-def test_mismatch_stats_match_numpy(configs):
-  import jax.numpy as jnp
-  rc = configs[""].rl
-  rng = np.random.default_rng(0)
-  B, T = 5, 7
-  lr = rng.normal(-1, 0.3, (B, T)).astype(np.float32)
-  lo = (lr + rng.normal(0, 0.01, (B, T))).astype(np.float32)
-  lo[1, 2] = lr[1, 2] + 1.0                                           # x = e > 2: token filtered
-  mask = np.ones((B, T), np.float32)
-  mask[3, 4:] = 0
-  mask[4] = 0                                                         # an empty trajectory
-  lo[3, 5] = 50.0                                                     # garbage under the mask
-  got = {k: float(v) for k, v in lab.mismatch_stats(rc, {"logp_old": jnp.asarray(lo), "logp_rollout": jnp.asarray(lr),
-                                                          "mask": jnp.asarray(mask)}).items()}
-  d = np.abs(lo - lr)[mask > 0]
-  log_x = np.where(mask > 0, lo - lr, 0.0)
-  n = mask.sum(1)
-  log_rho = log_x[:4].sum(1) / n[:4]
-  tok_ok = (mask > 0) & (log_x >= np.log(0.5)) & (log_x <= np.log(2.0))
-  traj_ok = (log_rho >= np.log(0.996)) & (log_rho <= np.log(1.001))
-  np.testing.assert_allclose(got["logp_abs_diff_mean"], d.mean(), rtol=1e-5)
-  np.testing.assert_allclose(got["logp_abs_diff_max"], d.max(), rtol=1e-5)
-  np.testing.assert_allclose(got["log_rho_abs_mean"], np.abs(log_rho).mean(), rtol=1e-5)
-  np.testing.assert_allclose(got["mis_token_keep_frac"], tok_ok.sum() / mask.sum(), rtol=1e-6)
-  np.testing.assert_allclose(got["mis_traj_keep_frac"], traj_ok.mean(), rtol=1e-6)
-  np.testing.assert_allclose(got["mis_kept_frac"], (tok_ok[:4] & traj_ok[:, None]).sum() / mask.sum(), rtol=1e-6)
-
-
 def test_truncation_limit():
   lengths = np.array([10, 20, 20, 30, 40, 50, 60, 64, 64, 64])
   truncated = np.array([0, 0, 0, 0, 0, 0, 0, 0, 0, 1], bool)         # the last one did not end within 64
@@ -102,7 +75,7 @@ def test_truncation_limit():
 
 
 def test_group_rows_and_markdown():
-  keys = [k for _, k in lab.COLUMNS if k not in ("group", "seeds", "max_new_tokens")]
+  keys = [k for _, k in lab_report.COLUMNS if k not in ("group", "seeds", "max_new_tokens")]
   rng = np.random.default_rng(1)
   rows = []
   for g, seeds in (("mispo/bf16", 3), ("ppo/bf16", 1), ("mispo/noise", 2), ("ppo/noise", 2)):
@@ -110,7 +83,7 @@ def test_group_rows_and_markdown():
       r = dict(group=g, objective=g.split("/")[0], setting="bf16", truncation="bootstrap", max_new_tokens=64, seed=s)
       r.update({k: float(rng.uniform(0.1, 1)) for k in keys})
       rows.append(r)
-  groups = lab.group_rows(rows)
+  groups = lab_report.group_rows(rows)
   assert [g["group"] for g in groups] == ["mispo/bf16", "ppo/bf16", "mispo/noise", "ppo/noise"]
   assert [g["seeds"] for g in groups] == [3, 1, 2, 2]
   m = np.array([r["gn_std"] for r in rows[:3]])
@@ -118,9 +91,9 @@ def test_group_rows_and_markdown():
   np.testing.assert_allclose(groups[0]["gn_std_sd"], m.std(ddof=1))
   np.testing.assert_allclose(groups[0]["gn_max"], max(r["gn_max"] for r in rows[:3]))
   assert np.isnan(groups[1]["gn_std_sd"])
-  md = lab.markdown(groups).splitlines()
+  md = lab_report.markdown(groups).splitlines()
   assert len(md) == 6 and "±" in md[2] and "±" not in md[3]
-  head = lab.headline(groups, None, rows)
+  head = lab_report.headline(groups, None, rows)
   assert len(head) == 2 and head[0].startswith("- bf16") and f"{groups[0]['gn_std']:.3g}" in head[0]
   assert "per seed" not in head[0]                                    # one common seed only
   ratios = [rows[4 + s]["gn_std"] / rows[6 + s]["gn_std"] for s in range(2)]   # paired by seed

@@ -86,3 +86,31 @@ def test_one_actor_and_critic_update(setup):
   newc, mc = fns.critic_step(critic, mb)
   assert float(mc["critic_loss"]) > 0
   assert float(jnp.abs(newc["params"]["value_head"]["kernel"]).max()) > 0
+
+
+def test_mismatch_stats_match_numpy(setup):
+  """The mismatch statistics every objective logs, against NumPy."""
+  rc = setup[0].rl
+  rng = np.random.default_rng(0)
+  B, T = 5, 7
+  lr = rng.normal(-1, 0.3, (B, T)).astype(np.float32)
+  lo = (lr + rng.normal(0, 0.01, (B, T))).astype(np.float32)
+  lo[1, 2] = lr[1, 2] + 1.0                                           # x = e > 2: token filtered
+  mask = np.ones((B, T), np.float32)
+  mask[3, 4:] = 0
+  mask[4] = 0                                                         # an empty trajectory
+  lo[3, 5] = 50.0                                                     # garbage under the mask
+  got = {k: float(v) for k, v in trainer.mismatch_stats(rc, {"logp_old": jnp.asarray(lo), "logp_rollout": jnp.asarray(lr),
+                                                              "mask": jnp.asarray(mask)}).items()}
+  d = np.abs(lo - lr)[mask > 0]
+  log_x = np.where(mask > 0, lo - lr, 0.0)
+  n = mask.sum(1)
+  log_rho = log_x[:4].sum(1) / n[:4]
+  tok_ok = (mask > 0) & (log_x >= np.log(0.5)) & (log_x <= np.log(2.0))
+  traj_ok = (log_rho >= np.log(0.996)) & (log_rho <= np.log(1.001))
+  np.testing.assert_allclose(got["logp_abs_diff_mean"], d.mean(), rtol=1e-5)
+  np.testing.assert_allclose(got["logp_abs_diff_max"], d.max(), rtol=1e-5)
+  np.testing.assert_allclose(got["log_rho_abs_mean"], np.abs(log_rho).mean(), rtol=1e-5)
+  np.testing.assert_allclose(got["mis_token_keep_frac"], tok_ok.sum() / mask.sum(), rtol=1e-6)
+  np.testing.assert_allclose(got["mis_traj_keep_frac"], traj_ok.mean(), rtol=1e-6)
+  np.testing.assert_allclose(got["mis_kept_frac"], (tok_ok[:4] & traj_ok[:, None]).sum() / mask.sum(), rtol=1e-6)

@@ -14,7 +14,6 @@ confidence on the rollout and on the training pass, throughput); held-out greedy
 from __future__ import annotations
 
 import collections
-import functools
 import json
 import os
 import time
@@ -22,11 +21,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from stepflash_jax import model as model_lib
 from stepflash_jax import parallel
-from stepflash_jax.data import load_tokenizer, prompt_dataset
+from stepflash_jax.data import prompt_dataset
 from stepflash_jax.model.moe import stat_mean
 from stepflash_jax.optim import muon
 from stepflash_jax.rl import advantages as adv_lib
@@ -58,6 +56,20 @@ def objective(rcfg, logp, mb):
     return losses.gspo_loss(logp, mb["logp_old"], mb["logp_rollout"], mb["adv"], mb["mask"], clip_eps=rcfg.gspo_clip,
                             token_bounds=tuple(rcfg.token_bounds), traj_bounds=tuple(rcfg.traj_bounds))
   return losses.tis_loss(logp, mb["logp_old"], mb["logp_rollout"], mb["adv"], mb["mask"], cap=rcfg.tis_cap)
+
+
+def mismatch_stats(rcfg, mb) -> dict:
+  """Train/inference mismatch of a mini-batch, logged for every objective (PPO and TIS ignore pi_vllm; for them the
+  MIS fractions say what MIS-PO would keep): |log pi_old - log pi_vllm| mean / max over valid tokens, mean
+  |log rho| over non-empty responses, MIS token / trajectory / joint keep fractions. All constants of the update."""
+  keep, info = losses.mis_mask(mb["logp_old"], mb["logp_rollout"], mb["mask"], tuple(rcfg.token_bounds),
+                               tuple(rcfg.traj_bounds))
+  n, n_seq = jnp.maximum(info["valid"].sum(), 1), jnp.maximum(info["nonempty"].sum(), 1)
+  ad = jnp.abs(info["log_x"])
+  return {"logp_abs_diff_mean": ad.sum() / n, "logp_abs_diff_max": ad.max(),
+          "log_rho_abs_mean": jnp.abs(info["log_rho"]).sum() / n_seq,
+          "mis_token_keep_frac": info["token_ok"].sum() / n, "mis_traj_keep_frac": info["traj_ok"].sum() / n_seq,
+          "mis_kept_frac": keep.sum() / n}
 
 
 def response_logits(args, variables, mb, prompt_len, stats=False):
@@ -96,7 +108,7 @@ class Functions:
         kl = losses.unbiased_kl(logp, mb["logp_old"], mb["logp_ref"], mb["mask"])
         loss = loss + rcfg.kl_coef * kl
         m = {**m, "kl": kl}
-      return loss, {**m, "confidence_train": stat_mean(st, "confidence")}
+      return loss, {**mismatch_stats(rcfg, mb), **m, "confidence_train": stat_mean(st, "confidence")}
 
     def actor_step(state, mb):
       (loss, m), g = jax.value_and_grad(actor_loss, has_aux=True)(state["params"], state["router"], mb)
@@ -186,7 +198,9 @@ def _run(config, workdir, log, mesh, rules):
     state, extra = ckpt.restore(start, target=state)
     data.set_state(extra["data"])
     log(f"rl: resumed from generation {start} in {rl_dir}")
-  writer = MetricsWriter(rl_dir, "rl", resume_step=start)
+  writer = MetricsWriter(rl_dir, "rl", resume_step=start if start else -1)   # a fresh start drops a stale log
+  if not start:                                           # generation 0 = the SFT policy: the curves' first point
+    writer.write(0, {f"eval/{k}": v for k, v in acc0.items()})
   fns = Functions(args, rc, actor_tx, critic_tx, P, sft.frozen_mask(ref["params"], rc.freeze_router))
   engine = RolloutEngine(config.model, max_prompt_len=P, max_new_tokens=R, eos_id=tok.eos_id, pad_id=tok.pad_id,
                          dtype=rc.rollout_dtype, temperature=rc.temperature, top_p=rc.top_p,
@@ -241,6 +255,7 @@ def _run(config, workdir, log, mesh, rules):
       acc = evaluate.accuracy(config, {"params": state["actor"]["params"], "router": state["actor"]["router"]},
                               tok, eval_set)
       metrics.update({f"eval/{k}": v for k, v in acc.items()})
+      log(f"rl: generation {step + 1}: held-out accuracy {acc['accuracy']:.3f} (SFT {acc0['accuracy']:.3f})")
     writer.write(step + 1, metrics)
     prog.update(step + 1, metrics)
     if (step + 1) % rc.checkpoint_every == 0 or step + 1 == rc.steps:
@@ -261,7 +276,7 @@ def finish(config, workdir, acc0, acc, log):
                        "confidence_train", "truncation_rate"], os.path.join(workdir, "rl.png"),
                title=f"RL ({config.rl.objective})")
   from stepflash_jax.train.metrics import read_jsonl
-  rows = read_jsonl(jsonl)
+  rows = [r for r in read_jsonl(jsonl) if "reward" in r]
   gn = np.array([r["actor_grad_norm"] for r in rows if "actor_grad_norm" in r])
   summary = {"objective": config.rl.objective, "generations": len(rows),
              "accuracy_before": acc0["accuracy"], "accuracy_after": acc["accuracy"],
