@@ -200,7 +200,8 @@ def plots(workdir, vs, rows, probe_rows) -> list[str]:
   ax.set_xlabel("mean |dlogp| per generation")
   ax.set_ylabel("Sigma_k (training pass)")
   ax.set_title("RL runs: Sigma_k vs mismatch", fontsize=10)
-  ax.legend(fontsize=7)
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(fontsize=7)
   fig.tight_layout()
   p = os.path.join(workdir, "gradnorm_routing.png")
   fig.savefig(p, format="png")

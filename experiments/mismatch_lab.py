@@ -313,7 +313,8 @@ def run_lab(config, workdir: str, log=print, parts=PARTS) -> dict:
             "generations of the mini-batch mean of the per-mini-batch max). tok/traj keep: the MIS filter (for PPO/TIS what it would "
             "keep). conf = routing confidence Sigma_k. reward first/last, entropy first/last: first/last quarter "
             "of the generations.\n")
-  log(table)
+  if groups:
+    log(table)
   for line in head:
     log(line)
   log(f"lab: done in {(time.time() - t_start) / 60:.1f} min; {os.path.join(workdir, 'lab_table.md')}, plots: "
