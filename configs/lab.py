@@ -23,6 +23,9 @@ Knobs of the lab (`lab.*`); the RL knobs themselves are those of configs/mispo.p
                    `truncation_modes`; seeds = seeds + extra_seeds
   probe_*          the routing-confidence probe: one batch sampled from the SFT policy per engine setting
                    (fp32, bf16, bf16 + each noise in `probe_noise`), scored by the training engine
+The router is frozen in SFT and RL (STEP35), so in this toy it stays at its random init (Sigma_k 0.2807 everywhere).
+For routing studies train it: --config.train.freeze_router=False --config.rl.freeze_router=False (with
+--workdir elsewhere: the SFT checkpoint differs); e.g. with --parts=probe, 5 min: Sigma_k 0.398.
 """
 import os
 
