@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 from stepflash_jax import ops
+from timing import bench  # experiments/benchmarks/timing.py (the script's folder is on sys.path)
 
 
 def init(key, hidden, width, experts, dtype):
@@ -61,26 +60,6 @@ def make_step(gmm, top_k):
         return jnp.sum(moe_ffn(params, x, top_k=top_k, gmm=gmm).astype(jnp.float32) ** 2)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-
-
-def bench(cases, reps):
-    """Round-robin timing (robust to load drift on a shared machine).
-
-    Returns per case (median wall s, min wall s, median process CPU s); CPU time (all threads) is less
-    sensitive than wall time to other jobs on a shared machine.
-    """
-    for fn, args in cases.values():
-        jax.block_until_ready(fn(*args))  # compile
-        jax.block_until_ready(fn(*args))  # warm-up
-    wall = {name: [] for name in cases}
-    cpu = {name: [] for name in cases}
-    for _ in range(reps):
-        for name, (fn, args) in cases.items():
-            t0, c0 = time.perf_counter(), time.process_time()
-            jax.block_until_ready(fn(*args))
-            wall[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
-    return {n: (statistics.median(wall[n]), min(wall[n]), statistics.median(cpu[n])) for n in cases}
 
 
 def main():
