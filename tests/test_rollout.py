@@ -101,13 +101,14 @@ def _teacher_forced(eng, variables, prompts, resp, width, length=P + N + 8):
   seg = (col >= pads[:, None]).astype(np.int32)
   logits, _, cache, _, _ = eng.model_call(variables, p, np.maximum(col - pads[:, None], 0), seg,
                                           eng.init_cache(B, length), 0)
-  got, conf, ntok = [jax.nn.log_softmax(logits[:, -1])], 0.0, 0.0
+  got, conf, ntok = [jax.nn.log_softmax(logits[:, -1])], {}, 0.0
   for i in range(1, N):
     logits, _, cache, c, n = eng.model_call(variables, resp[:, i - 1:i], (LENS + i - 1)[:, None],
                                             np.ones((B, 1), np.int32), cache, width + i - 1)
     got.append(jax.nn.log_softmax(logits[:, 0]))
-    conf, ntok = conf + float(c) * float(n), ntok + float(n)
-  return np.stack(jax.device_get(got), 1), conf / ntok
+    conf = {k: conf.get(k, 0.0) + float(x) * float(n) for k, x in c.items()}     # per MoE layer
+    ntok += float(n)
+  return np.stack(jax.device_get(got), 1), {k: x / ntok for k, x in conf.items()}
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +116,7 @@ def forced(tiny_cfg, variables, prompts, plain_out):
   return _teacher_forced(engine(tiny_cfg), variables, prompts, plain_out["response"], P)
 
 
-def test_cached_decode_matches_full_forward(variables, prompts, plain_out, forward, forced):
+def test_cached_decode_matches_full_forward(tiny_cfg, variables, prompts, plain_out, forward, forced):
   """Prefill + one-token cached steps (per-row positions, left padding, ring buffers wrapping) reproduce the
   uncached forward's logits at every position; the loop's routing confidence is the token-weighted step mean."""
   resp = plain_out["response"]
@@ -123,7 +124,11 @@ def test_cached_decode_matches_full_forward(variables, prompts, plain_out, forwa
   got, conf = forced
   want = np.take_along_axis(forward(variables, prompts, LENS, resp), (LENS[:, None] - 1 + np.arange(N))[..., None], 1)
   np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-  np.testing.assert_allclose(plain_out["routing_confidence"], conf, rtol=1e-5)
+  layers = plain_out["routing_confidence_layers"]
+  assert sorted(layers) == sorted(conf) and len(conf) == len(tiny_cfg.moe_layers)   # one entry per MoE layer
+  for k in conf:
+    np.testing.assert_allclose(layers[k], conf[k], rtol=1e-5)
+  np.testing.assert_allclose(plain_out["routing_confidence"], np.mean(list(conf.values())), rtol=1e-5)
   assert 0 < plain_out["routing_confidence"] <= 1 and 0 < plain_out["routing_confidence_prompt"] <= 1
 
 

@@ -68,7 +68,9 @@ def test_one_actor_and_critic_update(setup):
   b = trainer.sequences(prompts, gen)
   jb = {k: jnp.asarray(x) for k, x in b.items()}
   logp_old, ent, conf = fns.score(v["params"], v["router"], jb)
-  assert logp_old.shape == (2, R) and float(ent) > 0 and 0 < float(conf) <= 1
+  assert logp_old.shape == (2, R) and float(ent) > 0
+  assert sorted(conf) == sorted(f"layer_{i}" for i in cfg.model.moe_layers)     # Sigma_k per MoE layer
+  assert all(0 < float(c) <= 1 for c in conf.values())
   cv = critic_from_actor(v)
   values = fns.values(cv["params"], cv["router"], jb)
   adv, ret = fns.advantages(values, jb["mask"], jnp.array([1.0, 0.0]), jnp.array([False, True]))

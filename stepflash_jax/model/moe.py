@@ -134,6 +134,20 @@ def ep_balance_loss(stats, groups: int, top_k: int):
   return jnp.concatenate(losses).mean() if losses else jnp.float32(0)
 
 
+def stat_layers(stats, name: str = "confidence") -> dict:
+  """{MoE layer: value} of a scalar MoE statistic of a sown "moe_stats" tree, keyed by the module path ("layers_3",
+  "blocks/layers_1[2]" for block 2 of a scanned stack; MTP modules included when they were called)."""
+  out = {}
+  for path, v in jax.tree_util.tree_flatten_with_path(stats, is_leaf=lambda x: isinstance(x, tuple))[0]:
+    keys = [str(getattr(k, "key", k)) for k in path]
+    if keys[-1] != name:
+      continue
+    where = "/".join(k for k in keys[:-1] if k not in ("moe", "mlp"))
+    vals = v[0].reshape(-1)
+    out.update({where: vals[0]} if vals.shape[0] == 1 else {f"{where}[{i}]": vals[i] for i in range(vals.shape[0])})
+  return out
+
+
 def stat_mean(stats, name: str = "confidence"):
   """Mean of a scalar MoE statistic over all MoE layers of a sown "moe_stats" tree (e.g. routing confidence)."""
   vals = [v[0].reshape(-1) for path, v in jax.tree_util.tree_flatten_with_path(

@@ -14,6 +14,7 @@ Output dict (N = max_new_tokens, P = max_prompt_len):
   routing_confidence f32       Sigma_k of the rollout: mean over MoE layers of the sown "confidence", averaged over
                                decode calls weighted by their valid tokens (plain: the fed response tokens; spec:
                                every verified token incl. rejected drafts). routing_confidence_prompt: the prefill's.
+  routing_confidence_layers    {MoE layer path: f32} the same per MoE layer (routing_confidence is their mean).
   spec only: accept_rate (accepted / proposed drafts), tokens_per_call (response tokens / main-model calls per row,
              prefill included; 1.0 for plain decoding), num_steps (verify iterations).
 
@@ -60,6 +61,7 @@ from jax import lax
 from stepflash_jax import model as M
 from stepflash_jax.config import ModelArgs
 from stepflash_jax.model.cache import init_cache
+from stepflash_jax.model.moe import stat_layers
 
 DTYPES = ("bfloat16", "float32")
 # XLA options that halve CPU compile time (slower code): for tests and short runs.
@@ -111,25 +113,13 @@ def cast_variables(variables, dtype):
 
 
 def _moe_confidence(stats):
-  """(mean over MoE layers of the sown routing confidence, tokens it averages over) for one model call."""
-  conf, toks = [], []
-
-  def walk(s):
-    if "confidence" in s:
-      conf.append(jnp.ravel(s["confidence"][0]))
-      toks.append(jnp.ravel(s["tokens"][0]))
-    else:
-      for x in s.values():
-        if hasattr(x, "items"):
-          walk(x)
-  walk(stats)
-  if not conf:
-    return jnp.float32(0), jnp.float32(0)
-  return jnp.concatenate(conf).mean(), jnp.concatenate(toks)[0]
+  """({MoE layer: sown routing confidence}, valid tokens it averages over) for one model call."""
+  toks = stat_layers(stats, "tokens")
+  return stat_layers(stats, "confidence"), (next(iter(toks.values())) if toks else jnp.float32(0))
 
 
 def model_call(args, v, tokens, positions, segment_ids, cache, cache_index):
-  """Cached backbone call -> (logits [B, T, V] fp32, hidden [B, T, H], new cache, confidence, valid tokens)."""
+  """Cached backbone call -> (logits [B, T, V] fp32, hidden [B, T, H], new cache, {MoE layer: confidence}, tokens)."""
   out, st = M.apply(args, v, tokens, positions=positions, segment_ids=segment_ids, cache=cache,
                     cache_index=cache_index, stats=True)
   conf, ntok = _moe_confidence(st)
@@ -171,7 +161,18 @@ def _result(st, eos, prompts, resp, logp, mask, conf, ntok, conf_p):
   has_eos = jnp.any((resp == eos) & (mask > 0), axis=1)
   return {"tokens": jnp.concatenate([prompts, resp], 1), "response": resp, "response_mask": mask,
           "logp": logp * mask, "lengths": mask.sum(1).astype(jnp.int32), "truncated": ~has_eos,
-          "routing_confidence": conf / jnp.maximum(ntok, 1.0), "routing_confidence_prompt": conf_p}
+          "routing_confidence": _layer_mean(conf) / jnp.maximum(ntok, 1.0),
+          "routing_confidence_layers": {k: c / jnp.maximum(ntok, 1.0) for k, c in conf.items()},
+          "routing_confidence_prompt": _layer_mean(conf_p)}
+
+
+def _layer_mean(conf: dict):
+  return jnp.mean(jnp.stack(list(conf.values()))) if conf else jnp.float32(0)
+
+
+def _accumulate(total: dict, conf: dict, ntok):
+  """Token-weighted running sum of the per-layer routing confidence of the decode calls."""
+  return {k: total[k] + conf[k] * ntok for k in total}
 
 
 def _generate_plain(st: _Static, variables, prompts, lens, knobs, ids, rng):
@@ -188,7 +189,7 @@ def _generate_plain(st: _Static, variables, prompts, lens, knobs, ids, rng):
     return _draw(ks, sampling_logprobs(_noisy(kn, logits, noise), temp, top_p), temp <= 0)
 
   tok, lp = sample(0, logits[:, -1])
-  s = dict(i=jnp.int32(1), cache=cache, done=tok == eos, conf=jnp.float32(0), ntok=jnp.float32(0),
+  s = dict(i=jnp.int32(1), cache=cache, done=tok == eos, conf=jax.tree.map(jnp.zeros_like, conf_p), ntok=jnp.float32(0),
            resp=jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(tok),
            logp=jnp.zeros((B, N), jnp.float32).at[:, 0].set(lp),
            mask=jnp.zeros((B, N), jnp.float32).at[:, 0].set(1.0))
@@ -202,7 +203,7 @@ def _generate_plain(st: _Static, variables, prompts, lens, knobs, ids, rng):
     tok = jnp.where(active, tok, pad_id)
     put = lambda buf, x: lax.dynamic_update_slice_in_dim(buf, x[:, None].astype(buf.dtype), i, axis=1)
     return dict(i=i + 1, cache=cache, done=s["done"] | (active & (tok == eos)),
-                conf=s["conf"] + conf * ntok, ntok=s["ntok"] + ntok, resp=put(s["resp"], tok),
+                conf=_accumulate(s["conf"], conf, ntok), ntok=s["ntok"] + ntok, resp=put(s["resp"], tok),
                 logp=put(s["logp"], jnp.where(active, lp, 0.0)), mask=put(s["mask"], active.astype(jnp.float32)))
 
   s = lax.while_loop(lambda s: (s["i"] < N) & ~jnp.all(s["done"]), body, s)
@@ -291,7 +292,8 @@ def _generate_spec(st: _Static, variables, prompts, lens, knobs, ids, rng):
   toks = jnp.full((B, C), pad_id, jnp.int32).at[:, :P].set(prompts).at[:, P].set(tok0)
   state = dict(it=jnp.int32(0), cache=cache, mcache=mcache, toks=toks,
                logp=jnp.zeros((B, C), jnp.float32).at[:, P].set(lp0), s=s, g=jnp.ones((B,), jnp.int32),
-               done=(tok0 == eos) | (N <= 1), drafts=drafts, lq=lq, carries=carries, conf=jnp.float32(0),
+               done=(tok0 == eos) | (N <= 1), drafts=drafts, lq=lq, carries=carries,
+               conf=jax.tree.map(jnp.zeros_like, conf_p),
                ntok=jnp.float32(0), accepted=jnp.int32(0), proposed=jnp.int32(0), calls=jnp.int32(0))
 
   def body(S):
@@ -337,7 +339,8 @@ def _generate_spec(st: _Static, variables, prompts, lens, knobs, ids, rng):
                                                 sampler(keys[3:]))
     na = active.astype(jnp.int32)
     return dict(it=S["it"] + 1, cache=cache, mcache=mcache, toks=toks, logp=logp, s=s_new, g=g, done=done,
-                drafts=drafts, lq=lq, carries=carries, conf=S["conf"] + conf * ntok, ntok=S["ntok"] + ntok,
+                drafts=drafts, lq=lq, carries=carries, conf=_accumulate(S["conf"], conf, ntok),
+                ntok=S["ntok"] + ntok,
                 accepted=S["accepted"] + jnp.sum(n * na), proposed=S["proposed"] + K * jnp.sum(na), calls=S["calls"] + jnp.sum(na))
 
   S = lax.while_loop(lambda S: ~jnp.all(S["done"]) & (S["it"] < N), body, state)
@@ -432,5 +435,5 @@ class RolloutEngine:
     return init_cache(self.args, batch, length, lookahead, mtp=mtp)
 
   def model_call(self, variables, tokens, positions, segment_ids, cache, cache_index):
-    """-> (logits [B, T, V] fp32, hidden [B, T, H], new cache, routing confidence, valid tokens)."""
+    """-> (logits [B, T, V] fp32, hidden [B, T, H], new cache, {MoE layer: routing confidence}, valid tokens)."""
     return _compiled_call(self.args, self._options)(variables, tokens, positions, segment_ids, cache, cache_index)

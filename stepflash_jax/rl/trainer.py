@@ -9,7 +9,8 @@ One generation:
   4. one epoch: `actor_minibatches` actor updates with the configured objective (MIS-PO / PPO / GSPO / TIS)
      + kl_coef * unbiased KL, and `critic_minibatches` critic updates (value loss), each a jitted step (Muon).
 Everything per generation is logged (reward, accuracy, grad norms, keep fractions, entropy, KL, truncation, routing
-confidence on the rollout and on the training pass, throughput); held-out greedy accuracy at intervals.
+confidence on the rollout and on the training pass, mean and per MoE layer, throughput); held-out greedy accuracy at
+intervals.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import numpy as np
 from stepflash_jax import model as model_lib
 from stepflash_jax import parallel
 from stepflash_jax.data import prompt_dataset
-from stepflash_jax.model.moe import stat_mean
+from stepflash_jax.model.moe import stat_layers, stat_mean
 from stepflash_jax.optim import muon
 from stepflash_jax.rl import advantages as adv_lib
 from stepflash_jax.rl import losses
@@ -95,7 +96,7 @@ class Functions:
       logits, st = response_logits(args, {"params": params, "router": router}, mb, P)
       mask = mb["mask"]
       return (token_logp(logits, mb["response"]), losses.entropy_from_logits(logits, mask),
-              stat_mean(st, "confidence"))
+              stat_layers(st, "confidence"))
     self.score = jax.jit(score)
     self.values = jax.jit(lambda cp, router, mb: response_values(
         args, {"params": cp, "router": router}, mb["tokens"], mb["positions"], mb["segment_ids"], P))
@@ -222,7 +223,7 @@ def _run(config, workdir, log, mesh, rules):
     texts = [tok.decode(r, stop_at_eos=True) for r in batch["response"]]
     scored = score_batch(rc.reward, prompts["examples"], texts, np.asarray(gen["truncated"]))
     jb = parallel.shard_batch(batch, mesh, rules, global_batch=True)
-    logp_old, entropy, conf_train = fns.score(actor["params"], actor["router"], jb)
+    logp_old, entropy, conf_score = fns.score(actor["params"], actor["router"], jb)
     logp_ref = fns.score(ref["params"], ref["router"], jb)[0] if rc.kl_coef > 0 else logp_old
     values = fns.values(state["critic"]["params"], state["critic"]["router"], jb)
     adv, ret = fns.advantages(values, jb["mask"], jnp.asarray(scored["reward"]), jnp.asarray(scored["truncated"]))
@@ -245,10 +246,14 @@ def _run(config, workdir, log, mesh, rules):
     metrics.update(reward=float(scored["reward"].mean()), accuracy=float(scored["correct"].mean()),
                    truncation_rate=float(scored["truncated"].mean()), actor_grad_norm_max=float(gn.max()),
                    entropy=float(entropy), confidence_rollout=float(gen["routing_confidence"]),
-                   confidence_score=float(conf_train), response_tokens=n_tok / len(batch["mask"]),
+                   confidence_score=float(np.mean(list(conf_score.values()))) if conf_score else float("nan"),
+                   response_tokens=n_tok / len(batch["mask"]),
                    value_mean=float(values.mean()), advantage_mean=float(adv.sum() / max(n_tok, 1)),
                    skipped=float(sum(m["skipped"] for m in am) + sum(m["skipped"] for m in cm)),
                    tokens_per_s=n_tok / (time.time() - t0))
+    # per MoE layer: Sigma_k of the rollout engine and of the training engine's pass over the same samples
+    metrics.update({f"confidence_rollout/{k}": float(v) for k, v in gen["routing_confidence_layers"].items()})
+    metrics.update({f"confidence_score/{k}": float(v) for k, v in conf_score.items()})
     if metrics["skipped"]:
       log(f"rl: generation {step + 1}: {int(metrics['skipped'])} non-finite update(s) skipped")
     if (step + 1) % rc.eval_every == 0 or step + 1 == rc.steps:
