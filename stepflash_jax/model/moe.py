@@ -135,8 +135,8 @@ def ep_balance_loss(stats, groups: int, top_k: int):
 
 
 def stat_layers(stats, name: str = "confidence") -> dict:
-  """{MoE layer: value} of a scalar MoE statistic of a sown "moe_stats" tree, keyed by the module path ("layers_3",
-  "blocks/layers_1[2]" for block 2 of a scanned stack; MTP modules included when they were called)."""
+  """{MoE layer: value} of a scalar MoE statistic of a sown "moe_stats" tree, keyed by the module path ("layer_3";
+  scanned stacks get one entry per block, "<path>[i]"; MTP modules are included when they were called)."""
   out = {}
   for path, v in jax.tree_util.tree_flatten_with_path(stats, is_leaf=lambda x: isinstance(x, tuple))[0]:
     keys = [str(getattr(k, "key", k)) for k in path]
@@ -150,6 +150,5 @@ def stat_layers(stats, name: str = "confidence") -> dict:
 
 def stat_mean(stats, name: str = "confidence"):
   """Mean of a scalar MoE statistic over all MoE layers of a sown "moe_stats" tree (e.g. routing confidence)."""
-  vals = [v[0].reshape(-1) for path, v in jax.tree_util.tree_flatten_with_path(
-      stats, is_leaf=lambda x: isinstance(x, tuple))[0] if getattr(path[-1], "key", None) == name]
-  return jnp.concatenate(vals).mean() if vals else jnp.float32(jnp.nan)
+  vals = list(stat_layers(stats, name).values())
+  return jnp.stack(vals).mean() if vals else jnp.float32(jnp.nan)
