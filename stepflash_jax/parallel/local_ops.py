@@ -16,10 +16,6 @@ from jax.sharding import PartitionSpec as P
 from stepflash_jax import ops
 
 
-def _axes(spec_entry) -> tuple:
-  return () if spec_entry is None else ((spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry))
-
-
 def sliding_window_attention(q, k, v, *, window, segment_ids=None, implementation=None, scale=None):
   """ops.sliding_window_attention (same arguments and result), per device when a mesh is in context.
 
@@ -31,18 +27,12 @@ def sliding_window_attention(q, k, v, *, window, segment_ids=None, implementatio
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return f(q, k, v, segment_ids)
-  from stepflash_jax.parallel.mesh import DEFAULT_RULES, resolve
+  from stepflash_jax.parallel.mesh import DEFAULT_RULES, _as_tuple, axis_sizes, batch_axes, resolve
   rules = nn.get_logical_axis_rules() or DEFAULT_RULES
-  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-  B, Hq, Hkv = q.shape[0], q.shape[2], k.shape[2]
-  tok = _axes(resolve(("batch",), rules)[0])
-  best = ()
-  for m in range(1 << len(tok)):
-    sub = tuple(a for i, a in enumerate(tok) if m >> i & 1)
-    n = math.prod(sizes[a] for a in sub)
-    if B % n == 0 and n > math.prod(sizes[a] for a in best):
-      best = sub
-  heads = tuple(a for a in _axes(resolve(("kv_heads",), rules)[0]) if a not in best)
+  sizes = axis_sizes(mesh)
+  Hq, Hkv = q.shape[2], k.shape[2]
+  best = batch_axes(mesh, q.shape[0], rules)
+  heads = tuple(a for a in _as_tuple(resolve(("kv_heads",), rules)[0]) if a not in best)
   nh = math.prod(sizes[a] for a in heads)
   if Hkv % nh or Hq % nh:
     heads = ()
