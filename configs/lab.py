@@ -27,11 +27,10 @@ The router is frozen in SFT and RL (STEP35), so in this toy it stays at its rand
 For routing studies train it: --config.train.freeze_router=False --config.rl.freeze_router=False (with
 --workdir elsewhere: the SFT checkpoint differs); e.g. with --parts=probe, 5 min: Sigma_k 0.398.
 """
-import os
-
 import ml_collections
 
 from configs import mispo
+from stepflash_jax.caches import cache_dir
 
 
 PER_LAYER = ("layer_types", "rope_theta", "partial_rotary_factors", "swiglu_limits", "swiglu_limits_shared")
@@ -56,9 +55,14 @@ def get_config(arg: str = ""):
   small = arg == "small"
   c = mispo.get_config("small" if small else "")
   # The SFT checkpoint every variant starts from (<workdir>/sft, trained once).
-  if small:                           # full: the main job's SFT (configs/mispo.py: 300 steps, ~59% held-out)
+  if small:
     c.model = micro_model(c.model)
     c.train.steps = c.train.eval_every = c.train.checkpoint_every = 30
+  else:                               # the measured lab: 300 SFT steps (~59% held-out), fp32 eval, 64-token limit
+    c.train.steps = c.train.eval_every = 300
+    c.data.max_prompt_len = 32
+    c.eval.dtype, c.eval.max_new_tokens = "float32", 64
+    c.rl.max_new_tokens, c.rl.actor_lr = 64, 1e-4
   # One batch size (12 small / 24 full) for every engine call: RL rollouts, probe, eval share compiled programs.
   c.eval.num_examples = 12 if small else 96
   c.eval.batch_size = 12 if small else 24
@@ -89,5 +93,5 @@ def get_config(arg: str = ""):
   l.probe_noise = "0.5" if small else "0.05,0.2,0.5,1.0"
   l.sft_workdir = ""                  # "" = <workdir>/sft; or an SFT run of the same config to reuse
   # persistent XLA cache ("" = off): variants of one objective compile once, reruns start fast
-  l.compile_cache = os.path.join(os.environ.get("STEPFLASH_CACHE", os.path.expanduser("~/.cache/stepflash_jax")), "xla")
+  l.compile_cache = cache_dir("xla")
   return c

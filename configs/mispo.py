@@ -14,19 +14,26 @@ def get_config(arg: str = ""):
   small = arg == "small"
   c = sft_config.get_config(arg)
   c.job = "rl"
-  # A shorter SFT than configs/sft.py (500 steps, ~76% held-out): ~55-60% leaves RL room to improve, and time.
+  # A shorter SFT than configs/sft.py (400 steps): ~57% held-out leaves RL room to improve. (200 steps, ~38%, then
+  # 10-12 generations at actor LR 1.5e-4 or 3e-4 gained +7 points by generation 5 and then collapsed below SFT.)
   c.train.steps = 60 if small else 300
   c.train.eval_every = c.train.steps  # evaluate once, at the end of SFT
-  c.eval.num_examples = 32 if small else 512   # 512 held-out problems: +-2 points (one sd), ~10 s of greedy decoding
+  c.data.max_prompt_len = 20          # prompts of the default mixture are <= 19 tokens (longer ones: a clear error)
+  # 1344 = 7 x 192 held-out problems: one sd of the accuracy estimate <= sqrt(.25 / 1344) = 1.4 points. The eval
+  # engine is the rollout engine (bf16, batch 192, 48 tokens), so eval reuses the rollout's compiled program.
+  c.eval.num_examples = 32 if small else 1344
+  c.eval.batch_size = 48 if small else 192
+  c.eval.dtype = "bfloat16"
+  c.eval.max_new_tokens = 48
 
   c.rl = r = ml_collections.ConfigDict()
   r.objective = "mispo"               # "mispo" | "ppo" | "gspo" | "tis"
-  r.steps = 4 if small else 36        # generations; one epoch over each (~13 s each here)
+  r.steps = 4 if small else 36        # generations; one epoch over each (~30 s each on 2 cores)
   r.prompts_per_step = 8 if small else 24
   r.samples_per_prompt = 6 if small else 8   # report: 16 per reasoning prompt; 192 responses per generation here
   r.actor_minibatches = 4             # STEP35: 4 actor and 12 critic mini-batches per generation
   r.critic_minibatches = 12
-  r.max_new_tokens = 64               # answers need <= ~45 tokens; shrink (e.g. 24) to study ~20% truncation
+  r.max_new_tokens = 48               # correct answers need <= 43 tokens; shrink (e.g. 24) to study truncation
   r.temperature = 1.0                 # STEP35: temperature 1.0, top-p 1.0
   r.top_p = 1.0
   r.rollout_dtype = "bfloat16"        # the inference engine's numerics: the source of train/inference mismatch

@@ -53,6 +53,7 @@ def get_config(arg: str = ""):
   c.eval.batch_size = 32
   c.eval.max_new_tokens = 64          # answers are <= ~45 tokens
   c.eval.seed = 1234
+  c.eval.dtype = "float32"            # numerics of the greedy eval engine ("bfloat16" = the rollout engine's)
 
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, expert=1, tensor=1))
   return c

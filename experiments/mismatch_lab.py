@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
 
 from experiments.lab_report import group_rows, headline, markdown, plots, run_row, write_csv
+from stepflash_jax.caches import enable_compile_cache
 
 
 def split(s, cast=str):
@@ -219,14 +220,6 @@ def calibrate_truncation(config, variables, tok, log=print) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- the lab
-def enable_compile_cache(path: str):
-  import jax
-  path = os.path.expanduser(path)
-  os.makedirs(path, exist_ok=True)
-  jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
 def _cached_json(path, fn):
   if os.path.exists(path):
     with open(path) as f:

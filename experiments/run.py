@@ -16,6 +16,9 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Python config file (g
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default: runs/<config name>).")
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() (multi-host pods).")
+_COMPILE_CACHE = flags.DEFINE_string("compile_cache", "default",
+                                     "JAX persistent compilation cache directory ('default' = $STEPFLASH_CACHE/xla, "
+                                     "'' = off): reruns load compiled programs instead of compiling them again.")
 flags.mark_flags_as_required(["config"])
 
 
@@ -29,6 +32,9 @@ def main(argv):
   import jax
   if _DISTRIBUTED.value:
     jax.distributed.initialize()
+  if _COMPILE_CACHE.value:
+    from stepflash_jax.caches import enable_compile_cache
+    enable_compile_cache(None if _COMPILE_CACHE.value == "default" else _COMPILE_CACHE.value)
   from stepflash_jax.train.validate import validate_run_config
   config = _CONFIG.value
   try:

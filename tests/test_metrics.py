@@ -1,4 +1,4 @@
-"""MetricsWriter (JSONL + TB, resume truncation), Progress, plot_metrics, summary_table."""
+"""MetricsWriter (JSONL + TB, resume truncation), Progress, StageClock, plot_metrics, summary_table."""
 import io
 import json
 import math
@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stepflash_jax.train.metrics import (MetricsWriter, Progress, plot_metrics, read_jsonl,
+from stepflash_jax.train import metrics as metrics_lib
+from stepflash_jax.train.metrics import (MetricsWriter, Progress, StageClock, plot_metrics, read_jsonl,
                                          summary_table)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -144,3 +145,21 @@ def test_summary_table():
     ]
     with pytest.raises(ValueError, match="headers"):
         summary_table(rows, ["run"], headers=["a", "b"])
+
+
+def test_stage_clock_charges_intervals_and_waits_for_outputs(monkeypatch):
+  """Each stop charges the time since the previous stop to its stage (repeated names add up); stop(name, outputs)
+  blocks on the outputs first (the fake clock advances only when block_until_ready has run)."""
+  now = [10.0]
+  monkeypatch.setattr(metrics_lib.time, "perf_counter", lambda: now[0])
+  blocked = []
+  monkeypatch.setattr("jax.block_until_ready", lambda x: (blocked.append(x), now.__setitem__(0, now[0] + 4.0))[0])
+  clock = StageClock()
+  now[0] += 1.5
+  clock.stop("rollout")
+  now[0] += 0.25
+  clock.stop("actor", [jnp.ones(2)])
+  now[0] += 2.0
+  clock.stop("rollout")
+  assert clock.seconds() == {"time/rollout": 3.5, "time/actor": 4.25}
+  assert len(blocked) == 1

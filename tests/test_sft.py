@@ -80,3 +80,13 @@ def test_bad_config_is_a_one_line_error(tmp_path):
   assert out.returncode != 0
   assert "config field 'optim.lr'" in out.stderr and "Traceback" not in out.stderr
   assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_bad_eval_dtype_names_the_field():
+  from stepflash_jax.config import load_config_file
+  from stepflash_jax.train.validate import validate_run_config
+  cfg = load_config_file(os.path.join(ROOT, "configs", "mispo.py"), "small")
+  validate_run_config(cfg)
+  cfg.eval.dtype = "float16"
+  with pytest.raises(ValueError, match="config field 'eval.dtype'"):
+    validate_run_config(cfg)

@@ -27,6 +27,7 @@ import numpy as np
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
+from stepflash_jax.caches import cache_dir
 from stepflash_jax.data import tasks
 
 USER, ASSISTANT = "<|user|>", "<|assistant|>"
@@ -42,8 +43,7 @@ _VERSION = 1  # bump when the training recipe changes: it is part of the cached 
 
 def default_cache_dir() -> str:
   """$STEPFLASH_CACHE/tokenizer, default ~/.cache/stepflash_jax/tokenizer."""
-  root = os.environ.get("STEPFLASH_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "stepflash_jax"))
-  return os.path.join(root, "tokenizer")
+  return cache_dir("tokenizer")
 
 
 def corpus(families: Sequence[str] = DEFAULT_FAMILIES,

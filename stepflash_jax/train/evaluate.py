@@ -16,12 +16,14 @@ def heldout_examples(config) -> list:
 
 
 def accuracy(config, variables, tok, examples, engine=None) -> dict:
-  """Greedy (temperature 0) completions of `examples`, checked by their task's rule checker."""
+  """Greedy (temperature 0) completions of `examples` in batches of eval.batch_size, in the engine numerics
+  eval.dtype, checked by their task's rule checker. An engine with the rollout's dtype, prompt width, length limit
+  and batch size runs the rollout's compiled program (the sampling settings are traced inputs)."""
   from stepflash_jax.rl.rollout import RolloutEngine
   e = config.eval
   engine = engine or RolloutEngine(config.model, max_prompt_len=config.data.max_prompt_len,
                                    max_new_tokens=e.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                                   dtype="float32", temperature=0.0)
+                                   dtype=e.get("dtype", "float32"), temperature=0.0)
   correct, truncated, by_family = [], [], {}
   for i in range(0, len(examples), e.batch_size):
     chunk = examples[i:i + e.batch_size]

@@ -155,6 +155,25 @@ def _fmt_time(sec: float) -> str:
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
+class StageClock:
+    """Wall time of the stages of one iteration: `stop(name, outputs)` waits for `outputs` (jax arrays) and charges
+    the time since the previous stop to `name`; `seconds()` -> {"time/<name>": s} (JSONL / TensorBoard)."""
+
+    def __init__(self):
+        self._t, self._times = time.perf_counter(), {}
+
+    def stop(self, name: str, outputs=None):
+        if outputs is not None:
+            import jax
+            jax.block_until_ready(outputs)
+        now = time.perf_counter()
+        self._times[name] = self._times.get(name, 0.0) + now - self._t
+        self._t = now
+
+    def seconds(self) -> dict:
+        return {f"time/{k}": v for k, v in self._times.items()}
+
+
 class Progress:
     """Console progress: every `every` steps (and at the last step) prints
 

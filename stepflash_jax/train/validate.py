@@ -66,6 +66,8 @@ def validate_run_config(c, num_devices: int | None = None) -> None:
   _positive(c, "eval", ["num_examples", "batch_size", "max_new_tokens"])
   if c.data.max_prompt_len + c.eval.max_new_tokens > c.model.max_position_embeddings:
     _err("eval.max_new_tokens", "prompt + response exceed model.max_position_embeddings")
+  if c.eval.get("dtype", "float32") not in ("bfloat16", "float32"):
+    _err("eval.dtype", f"must be 'bfloat16' or 'float32', got {c.eval.dtype!r}")
   if "rl" in c:
     r = c.rl
     if r.objective not in OBJECTIVES:

@@ -1,0 +1,26 @@
+"""stepflash_jax.caches: where rebuildable things live, and the persistent XLA cache switch."""
+import jax
+
+from stepflash_jax import caches
+
+
+def test_cache_dir_follows_env(monkeypatch, tmp_path):
+  monkeypatch.setenv("STEPFLASH_CACHE", str(tmp_path))
+  assert caches.cache_dir("xla") == str(tmp_path / "xla")
+  monkeypatch.delenv("STEPFLASH_CACHE")
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  assert caches.cache_dir("tokenizer") == str(tmp_path / "home" / ".cache" / "stepflash_jax" / "tokenizer")
+
+
+def test_enable_compile_cache_keeps_a_configured_cache(monkeypatch, tmp_path):
+  old = jax.config.jax_compilation_cache_dir
+  try:
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))
+    assert caches.enable_compile_cache() == str(tmp_path / "mine")           # JAX_COMPILATION_CACHE_DIR wins
+    assert caches.enable_compile_cache(str(tmp_path / "x")) == str(tmp_path / "x")
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "x") and (tmp_path / "x").is_dir()
+    jax.config.update("jax_compilation_cache_dir", None)
+    monkeypatch.setenv("STEPFLASH_CACHE", str(tmp_path / "c"))
+    assert caches.enable_compile_cache() == str(tmp_path / "c" / "xla")
+  finally:
+    jax.config.update("jax_compilation_cache_dir", old)
