@@ -27,6 +27,7 @@ The router is frozen in SFT and RL (STEP35), so in this toy it stays at its rand
 For routing studies train it: --config.train.freeze_router=False --config.rl.freeze_router=False (with
 --workdir elsewhere: the SFT checkpoint differs); e.g. with --parts=probe, 5 min: Sigma_k 0.398.
 """
+
 import ml_collections
 
 from configs import mispo
@@ -43,7 +44,7 @@ def micro_model(model, num_layers: int = 4, num_mtp_layers: int = 1):
   m = model.copy_and_resolve_references()
   for f in PER_LAYER:
     v = list(m[f])
-    m[f] = v[:num_layers] + v[L0:L0 + num_mtp_layers]
+    m[f] = v[:num_layers] + v[L0 : L0 + num_mtp_layers]
   m.moe_layers = [i for i in m.moe_layers if i < num_layers]
   m.num_layers, m.num_mtp_layers = num_layers, num_mtp_layers
   return m
@@ -58,7 +59,7 @@ def get_config(arg: str = ""):
   if small:
     c.model = micro_model(c.model)
     c.train.steps = c.train.eval_every = c.train.checkpoint_every = 30
-  else:                               # the measured lab: 300 SFT steps (~59% held-out), fp32 eval, 64-token limit
+  else:  # the measured lab: 300 SFT steps (~59% held-out), fp32 eval, 64-token limit
     c.train.steps = c.train.eval_every = 300
     c.data.max_prompt_len = 32
     c.eval.dtype, c.eval.max_new_tokens = "float32", 64
@@ -67,21 +68,21 @@ def get_config(arg: str = ""):
   c.eval.num_examples = 12 if small else 96
   c.eval.batch_size = 12 if small else 24
   r = c.rl
-  r.steps = 2 if small else 14        # generations per variant
+  r.steps = 2 if small else 14  # generations per variant
   r.prompts_per_step = 3 if small else 6
   r.samples_per_prompt = 4
   r.actor_minibatches = 2 if small else 4
   r.critic_minibatches = 4 if small else 12
-  r.eval_every = r.steps              # held-out accuracy once, after the last generation
+  r.eval_every = r.steps  # held-out accuracy once, after the last generation
   r.checkpoint_every = r.steps if small else 4
   r.log_every = 1 if small else 4
 
   c.lab = l = ml_collections.ConfigDict()
   l.objectives = "mispo,ppo" if small else "mispo,ppo,gspo,tis"
   l.settings = "bf16,noise" if small else "fp32,bf16,noise,stale"
-  l.noise_scale = 0.5                 # logit-noise std; on the SFT policy mean |dlogp| 0.0008 (bf16) -> 0.016 (+noise),
-                                      # MIS trajectory keep 0.90 -> 0.42 (probe.md)
-  l.stale_steps = 2                   # rollouts from the actor of 2 generations ago
+  l.noise_scale = 0.5  # logit-noise std; on the SFT policy mean |dlogp| 0.0008 (bf16) -> 0.016 (+noise),
+  # MIS trajectory keep 0.90 -> 0.42 (probe.md)
+  l.stale_steps = 2  # rollouts from the actor of 2 generations ago
   l.seeds = "0"
   l.extra_seeds = "" if small else "1,2"
   l.multi_seed = "" if small else "mispo:bf16,ppo:bf16"
@@ -91,7 +92,7 @@ def get_config(arg: str = ""):
   l.probe_prompts = r.prompts_per_step  # x samples_per_prompt responses: the RL batch (same compiled engine)
   l.probe_batches = 1 if small else 2
   l.probe_noise = "0.5" if small else "0.05,0.2,0.5,1.0"
-  l.sft_workdir = ""                  # "" = <workdir>/sft; or an SFT run of the same config to reuse
+  l.sft_workdir = ""  # "" = <workdir>/sft; or an SFT run of the same config to reuse
   # persistent XLA cache ("" = off): variants of one objective compile once, reruns start fast
   l.compile_cache = cache_dir("xla")
   return c

@@ -5,6 +5,7 @@
 configs/ppo.py and configs/gspo.py are this file with another objective (same budget, same seeds).
 Measured: held-out exact match (512 problems) 0.547 after SFT -> 0.707 after RL (seeds 1, 2: 0.656, 0.670).
 """
+
 import ml_collections
 
 from configs import sft as sft_config
@@ -18,7 +19,7 @@ def get_config(arg: str = ""):
   # 10-12 generations at actor LR 1.5e-4 or 3e-4 gained +7 points by generation 5 and then collapsed below SFT.)
   c.train.steps = 60 if small else 300
   c.train.eval_every = c.train.steps  # evaluate once, at the end of SFT
-  c.data.max_prompt_len = 20          # prompts of the default mixture are <= 19 tokens (longer ones: a clear error)
+  c.data.max_prompt_len = 20  # prompts of the default mixture are <= 19 tokens (longer ones: a clear error)
   # 1344 = 7 x 192 held-out problems: one sd of the accuracy estimate <= sqrt(.25 / 1344) = 1.4 points. The eval
   # engine is the rollout engine (bf16, batch 192, 48 tokens), so eval reuses the rollout's compiled program.
   c.eval.num_examples = 32 if small else 1344
@@ -27,29 +28,29 @@ def get_config(arg: str = ""):
   c.eval.max_new_tokens = 48
 
   c.rl = r = ml_collections.ConfigDict()
-  r.objective = "mispo"               # "mispo" | "ppo" | "gspo" | "tis"
-  r.steps = 4 if small else 36        # generations; one epoch over each (~30 s each on 2 cores)
+  r.objective = "mispo"  # "mispo" | "ppo" | "gspo" | "tis"
+  r.steps = 4 if small else 36  # generations; one epoch over each (~30 s each on 2 cores)
   r.prompts_per_step = 8 if small else 24
-  r.samples_per_prompt = 6 if small else 8   # report: 16 per reasoning prompt; 192 responses per generation here
-  r.actor_minibatches = 4             # STEP35: 4 actor and 12 critic mini-batches per generation
+  r.samples_per_prompt = 6 if small else 8  # report: 16 per reasoning prompt; 192 responses per generation here
+  r.actor_minibatches = 4  # STEP35: 4 actor and 12 critic mini-batches per generation
   r.critic_minibatches = 12
-  r.max_new_tokens = 48               # correct answers need <= 43 tokens; shrink (e.g. 24) to study truncation
-  r.temperature = 1.0                 # STEP35: temperature 1.0, top-p 1.0
+  r.max_new_tokens = 48  # correct answers need <= 43 tokens; shrink (e.g. 24) to study truncation
+  r.temperature = 1.0  # STEP35: temperature 1.0, top-p 1.0
   r.top_p = 1.0
-  r.rollout_dtype = "bfloat16"        # the inference engine's numerics: the source of train/inference mismatch
-  r.logit_noise = 0.0                 # extra Gaussian noise on rollout logits (mismatch lab knob)
-  r.staleness = 0                     # rollouts from the actor of k generations ago (mismatch lab knob)
-  r.token_bounds = (0.5, 2.0)         # MIS-PO token filter on pi_old / pi_vllm (inclusive)
-  r.traj_bounds = (0.996, 1.001)      # MIS-PO trajectory filter on the geometric-mean ratio (asymmetric)
-  r.normalizer = "valid"              # divide by all valid response tokens (filtered ones included); or "kept"
+  r.rollout_dtype = "bfloat16"  # the inference engine's numerics: the source of train/inference mismatch
+  r.logit_noise = 0.0  # extra Gaussian noise on rollout logits (mismatch lab knob)
+  r.staleness = 0  # rollouts from the actor of k generations ago (mismatch lab knob)
+  r.token_bounds = (0.5, 2.0)  # MIS-PO token filter on pi_old / pi_vllm (inclusive)
+  r.traj_bounds = (0.996, 1.001)  # MIS-PO trajectory filter on the geometric-mean ratio (asymmetric)
+  r.normalizer = "valid"  # divide by all valid response tokens (filtered ones included); or "kept"
   r.ppo_clip = 0.2
   r.gspo_clip = 1e-4
   r.tis_cap = 2.0
-  r.kl_coef = 0.001                   # unbiased KL to the SFT policy (final-stage coefficient)
-  r.gamma = 1.0                       # GAE gamma = lambda = 1: A_t = R - V(s_t)
+  r.kl_coef = 0.001  # unbiased KL to the SFT policy (final-stage coefficient)
+  r.gamma = 1.0  # GAE gamma = lambda = 1: A_t = R - V(s_t)
   r.lam = 1.0
-  r.truncation = "bootstrap"          # truncated responses get V(s_T); "zero" for the ablation
-  r.reward = "rule"                   # stepflash_jax.rl.rewards registry
+  r.truncation = "bootstrap"  # truncated responses get V(s_T); "zero" for the ablation
+  r.reward = "rule"  # stepflash_jax.rl.rewards registry
   # STEP35: actor 2e-6 / critic 5e-6 (ratio 2.5) with 20 / 50 warmup updates, after SFT at 1e-5. Muon steps have a
   # fixed size whatever the gradient's norm, and 192 responses per generation are still a noisy gradient: the actor
   # runs at 1/30 of the SFT peak (3e-4 drifted: KL 0.3 and rambling-until-truncation after 20 generations).
@@ -57,8 +58,8 @@ def get_config(arg: str = ""):
   r.critic_lr = 2.5e-4
   r.actor_warmup = 20
   r.critic_warmup = 50
-  r.freeze_router = True              # router weights frozen in RL as in SFT (switch for routing studies)
-  r.sft_workdir = ""                  # "" = <workdir>/sft; or an existing SFT run to start from
+  r.freeze_router = True  # router weights frozen in RL as in SFT (switch for routing studies)
+  r.sft_workdir = ""  # "" = <workdir>/sft; or an existing SFT run to start from
   r.log_every = 1 if small else 5
   r.eval_every = 4 if small else 12
   r.checkpoint_every = 2 if small else 10

@@ -4,6 +4,7 @@
   python experiments/run.py --config=configs/sft.py:small                     # ~1 minute smoke run
 Reruns of the same command resume from the latest checkpoint in the workdir.
 """
+
 import os
 
 import ml_collections
@@ -21,27 +22,27 @@ def get_config(arg: str = ""):
   c.model = load_config_file(os.path.join(HERE, "model", "tiny.py"))
 
   c.data = ml_collections.ConfigDict()
-  c.data.mixture = "default"          # 2-4 digit arithmetic + 3-number countdown (stepflash_jax/data/tasks)
-  c.data.batch_size = 16              # packed rows per step
-  c.data.seq_len = 128                # a row holds ~2-3 documents of 40-70 tokens
-  c.data.max_prompt_len = 32          # prompts are <= 24 tokens
-  c.data.tokenizer_dir = ""           # "" = the package cache (~/.cache/stepflash_jax); trained on first use
+  c.data.mixture = "default"  # 2-4 digit arithmetic + 3-number countdown (stepflash_jax/data/tasks)
+  c.data.batch_size = 16  # packed rows per step
+  c.data.seq_len = 128  # a row holds ~2-3 documents of 40-70 tokens
+  c.data.max_prompt_len = 32  # prompts are <= 24 tokens
+  c.data.tokenizer_dir = ""  # "" = the package cache (~/.cache/stepflash_jax); trained on first use
 
   c.optim = ml_collections.ConfigDict()
-  c.optim.lr = 3e-3                   # toy model from scratch; the report's 1e-5 is for a pretrained 196B model
-  c.optim.warmup_frac = 0.03          # STEP35: 3% warmup ...
-  c.optim.end_lr_frac = 0.5           # ... then cosine to half the peak (1e-5 -> 5e-6)
+  c.optim.lr = 3e-3  # toy model from scratch; the report's 1e-5 is for a pretrained 196B model
+  c.optim.warmup_frac = 0.03  # STEP35: 3% warmup ...
+  c.optim.end_lr_frac = 0.5  # ... then cosine to half the peak (1e-5 -> 5e-6)
   c.optim.weight_decay = 0.1
   c.optim.grad_clip = 1.0
   c.optim.muon_method = "polar_express"
-  c.optim.ortho_dtype = "float16"     # StepFun: bf16 gave rare unrecoverable spikes
+  c.optim.ortho_dtype = "float16"  # StepFun: bf16 gave rare unrecoverable spikes
 
   c.train = ml_collections.ConfigDict()
-  c.train.steps = 60 if small else 400     # held-out exact match: 50% after 250 steps, 76% after 500
-  c.train.mtp_weight = 0.1            # STEP35: 0.3 early pre-training, 0.1 in mid-training and SFT
-  c.train.freeze_router = True        # SFT: router frozen ...
-  c.train.router_bias_rate = 0.0      # ... and aux-loss-free bias balancing off (pre-training: 0.001)
-  c.train.ep_balance_coef = 0.0       # EP-group balance loss off in SFT (pre-training: 0.001)
+  c.train.steps = 60 if small else 400  # held-out exact match: 50% after 250 steps, 76% after 500
+  c.train.mtp_weight = 0.1  # STEP35: 0.3 early pre-training, 0.1 in mid-training and SFT
+  c.train.freeze_router = True  # SFT: router frozen ...
+  c.train.router_bias_rate = 0.0  # ... and aux-loss-free bias balancing off (pre-training: 0.001)
+  c.train.ep_balance_coef = 0.0  # EP-group balance loss off in SFT (pre-training: 0.001)
   c.train.ep_groups = 1
   c.train.log_every = 10
   c.train.eval_every = 30 if small else 200
@@ -51,9 +52,9 @@ def get_config(arg: str = ""):
   c.eval = ml_collections.ConfigDict()
   c.eval.num_examples = 32 if small else 128
   c.eval.batch_size = 32
-  c.eval.max_new_tokens = 64          # answers are <= ~45 tokens
+  c.eval.max_new_tokens = 64  # answers are <= ~45 tokens
   c.eval.seed = 1234
-  c.eval.dtype = "float32"            # numerics of the greedy eval engine ("bfloat16" = the rollout engine's)
+  c.eval.dtype = "float32"  # numerics of the greedy eval engine ("bfloat16" = the rollout engine's)
 
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, expert=1, tensor=1))
   return c

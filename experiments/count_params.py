@@ -5,6 +5,7 @@ prints JSON {"total", "total_with_embeddings", "active", "mtp"} (STEP35.md: 195.
 total = backbone without embedding and lm_head; active = per token (top-k routed + shared experts of each MoE
 layer, everything else, no embedding/lm_head); mtp = the MTP modules without their output heads.
 """
+
 import json
 import math
 import os
@@ -26,15 +27,20 @@ def count(cfg) -> dict:
   n = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
   backbone = {k: v for k, v in params.items() if not k.startswith("mtp_") and k not in ("embed", "lm_head")}
   keys = lambda path: [getattr(k, "key", None) for k in path]
-  routed = sum(math.prod(x.shape) for path, x in jax.tree_util.tree_flatten_with_path(backbone)[0]
-               if "moe" in keys(path) and "shared" not in keys(path) and "router" not in keys(path))
+  routed = sum(
+    math.prod(x.shape)
+    for path, x in jax.tree_util.tree_flatten_with_path(backbone)[0]
+    if "moe" in keys(path) and "shared" not in keys(path) and "router" not in keys(path)
+  )
   total = n(backbone)
   mtp = sum(n({k: v for k, v in params[m].items() if k != "head"}) for m in params if m.startswith("mtp_"))
-  return {"total": total,
-          "total_with_embeddings": total + n(params["embed"]) + n(params["lm_head"]),
-          "active": total - routed + routed * args.top_k // args.num_experts,
-          "mtp": mtp,
-          "mtp_with_heads": sum(n(params[m]) for m in params if m.startswith("mtp_"))}
+  return {
+    "total": total,
+    "total_with_embeddings": total + n(params["embed"]) + n(params["lm_head"]),
+    "active": total - routed + routed * args.top_k // args.num_experts,
+    "mtp": mtp,
+    "mtp_with_heads": sum(n(params[m]) for m in params if m.startswith("mtp_")),
+  }
 
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/model/step35_flash.py", "model config file")

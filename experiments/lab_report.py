@@ -1,5 +1,6 @@
 """Tables and plots of the mismatch lab (experiments/mismatch_lab.py): one row per run, rows grouped by variant
 with "mean ± sd" over seeds, the headline comparisons, CSVs and PNG curves."""
+
 from __future__ import annotations
 
 import csv
@@ -8,19 +9,58 @@ import os
 
 import numpy as np
 
-CURVE_KEYS = ["reward", "accuracy", "actor_grad_norm", "kept_frac", "mis_token_keep_frac", "mis_traj_keep_frac",
-              "entropy", "logp_abs_diff_mean", "logp_abs_diff_max", "confidence_rollout", "confidence_train", "kl"]
-TRUNC_KEYS = ["reward", "accuracy", "truncation_rate", "response_tokens", "value_mean", "actor_grad_norm",
-              "entropy", "critic_loss", "eval/accuracy"]
+CURVE_KEYS = [
+  "reward",
+  "accuracy",
+  "actor_grad_norm",
+  "kept_frac",
+  "mis_token_keep_frac",
+  "mis_traj_keep_frac",
+  "entropy",
+  "logp_abs_diff_mean",
+  "logp_abs_diff_max",
+  "confidence_rollout",
+  "confidence_train",
+  "kl",
+]
+TRUNC_KEYS = [
+  "reward",
+  "accuracy",
+  "truncation_rate",
+  "response_tokens",
+  "value_mean",
+  "actor_grad_norm",
+  "entropy",
+  "critic_loss",
+  "eval/accuracy",
+]
 COLUMNS = [  # (table header, row key); the markdown table shows these, the CSVs hold every row key
-    ("variant", "group"), ("seeds", "seeds"), ("gens", "gens"), ("N", "max_new_tokens"),
-    ("gn mean", "gn_mean"), ("gn std", "gn_std"), ("gn std/mean", "gn_cv"), ("gn max", "gn_max"),
-    ("reward first", "reward_first"), ("reward last", "reward_last"), ("acc SFT", "acc_before"),
-    ("acc after", "acc_after"), ("tok keep", "token_keep"), ("traj keep", "traj_keep"), ("kept", "kept"),
-    ("abs dlogp mean", "logp_diff_mean"), ("abs dlogp max", "logp_diff_max"), ("entropy first", "entropy_first"),
-    ("entropy last", "entropy_last"), ("kl", "kl"), ("trunc", "trunc_rate"), ("conf rollout", "conf_rollout"),
-    ("conf train", "conf_train"), ("min", "minutes")]
-SD_KEYS = ("gn_mean", "gn_std", "reward_last", "acc_after")   # shown as "mean ± sd" when a group has > 1 seed
+  ("variant", "group"),
+  ("seeds", "seeds"),
+  ("gens", "gens"),
+  ("N", "max_new_tokens"),
+  ("gn mean", "gn_mean"),
+  ("gn std", "gn_std"),
+  ("gn std/mean", "gn_cv"),
+  ("gn max", "gn_max"),
+  ("reward first", "reward_first"),
+  ("reward last", "reward_last"),
+  ("acc SFT", "acc_before"),
+  ("acc after", "acc_after"),
+  ("tok keep", "token_keep"),
+  ("traj keep", "traj_keep"),
+  ("kept", "kept"),
+  ("abs dlogp mean", "logp_diff_mean"),
+  ("abs dlogp max", "logp_diff_max"),
+  ("entropy first", "entropy_first"),
+  ("entropy last", "entropy_last"),
+  ("kl", "kl"),
+  ("trunc", "trunc_rate"),
+  ("conf rollout", "conf_rollout"),
+  ("conf train", "conf_train"),
+  ("min", "minutes"),
+]
+SD_KEYS = ("gn_mean", "gn_std", "reward_last", "acc_after")  # shown as "mean ± sd" when a group has > 1 seed
 
 
 # ------------------------------------------------------------------------------------------- summaries
@@ -31,26 +71,43 @@ def _mean(rows, k, sl=slice(None)):
 
 def run_row(v: dict, workdir: str) -> dict:
   from stepflash_jax.train.metrics import read_jsonl
+
   rd = os.path.join(workdir, "runs", v["name"])
-  recs = [r for r in read_jsonl(os.path.join(rd, "rl", "metrics_rl.jsonl")) if "reward" in r]   # not gen 0
+  recs = [r for r in read_jsonl(os.path.join(rd, "rl", "metrics_rl.jsonl")) if "reward" in r]  # not gen 0
   with open(os.path.join(rd, "lab.json")) as f:
     meta = json.load(f)
   gn = np.array([r["actor_grad_norm"] for r in recs])
   q = max(1, len(recs) // 4)
-  row = dict(name=v["name"], group=v["group"], objective=v["objective"], setting=v["setting"], seed=v["seed"],
-             truncation=v["truncation"], max_new_tokens=meta["max_new_tokens"], gens=len(recs),
-             gn_mean=float(gn.mean()), gn_std=float(gn.std()), gn_cv=float(gn.std() / max(gn.mean(), 1e-12)),
-             gn_max=max(r.get("actor_grad_norm_max", r["actor_grad_norm"]) for r in recs),
-             reward_first=_mean(recs, "reward", slice(0, q)), reward_last=_mean(recs, "reward", slice(-q, None)),
-             acc_before=meta["accuracy_before"], acc_after=meta["accuracy_after"],
-             token_keep=_mean(recs, "mis_token_keep_frac"), traj_keep=_mean(recs, "mis_traj_keep_frac"),
-             kept=_mean(recs, "kept_frac") if v["objective"] in ("mispo", "gspo") else 1.0,
-             logp_diff_mean=_mean(recs, "logp_abs_diff_mean"),
-             logp_diff_max=max(r.get("logp_abs_diff_max", float("nan")) for r in recs),
-             entropy_first=_mean(recs, "entropy", slice(0, q)), entropy_last=_mean(recs, "entropy", slice(-q, None)),
-             kl=_mean(recs, "kl", slice(-q, None)), trunc_rate=_mean(recs, "truncation_rate"),
-             conf_rollout=_mean(recs, "confidence_rollout"), conf_train=_mean(recs, "confidence_train"),
-             minutes=meta["seconds"] / 60)
+  row = dict(
+    name=v["name"],
+    group=v["group"],
+    objective=v["objective"],
+    setting=v["setting"],
+    seed=v["seed"],
+    truncation=v["truncation"],
+    max_new_tokens=meta["max_new_tokens"],
+    gens=len(recs),
+    gn_mean=float(gn.mean()),
+    gn_std=float(gn.std()),
+    gn_cv=float(gn.std() / max(gn.mean(), 1e-12)),
+    gn_max=max(r.get("actor_grad_norm_max", r["actor_grad_norm"]) for r in recs),
+    reward_first=_mean(recs, "reward", slice(0, q)),
+    reward_last=_mean(recs, "reward", slice(-q, None)),
+    acc_before=meta["accuracy_before"],
+    acc_after=meta["accuracy_after"],
+    token_keep=_mean(recs, "mis_token_keep_frac"),
+    traj_keep=_mean(recs, "mis_traj_keep_frac"),
+    kept=_mean(recs, "kept_frac") if v["objective"] in ("mispo", "gspo") else 1.0,
+    logp_diff_mean=_mean(recs, "logp_abs_diff_mean"),
+    logp_diff_max=max(r.get("logp_abs_diff_max", float("nan")) for r in recs),
+    entropy_first=_mean(recs, "entropy", slice(0, q)),
+    entropy_last=_mean(recs, "entropy", slice(-q, None)),
+    kl=_mean(recs, "kl", slice(-q, None)),
+    trunc_rate=_mean(recs, "truncation_rate"),
+    conf_rollout=_mean(recs, "confidence_rollout"),
+    conf_train=_mean(recs, "confidence_train"),
+    minutes=meta["seconds"] / 60,
+  )
   return row
 
 
@@ -71,6 +128,7 @@ def group_rows(rows: list[dict]) -> list[dict]:
 
 def markdown(groups: list[dict]) -> str:
   from stepflash_jax.train.metrics import summary_table
+
   _fmt_num = lambda x: f"{x:.4g}"
   shown = []
   for g in groups:
@@ -106,20 +164,25 @@ def headline(groups: list[dict], trunc: dict | None, rows: list[dict] = ()) -> l
     a, b = g.get(f"mispo/{setting}"), g.get(f"ppo/{setting}")
     if a and b:
       pairs = _paired(rows, a["group"], b["group"], "gn_std")
-      per_seed = (f"; per seed MIS-PO/PPO {', '.join(f'{x / max(y, 1e-12):.2f}' for _, x, y in pairs)}"
-                  if len(pairs) > 1 else "")
-      out.append(f"- {setting}: actor grad-norm std MIS-PO {a['gn_std']:.3g}{sd(a, 'gn_std')} vs PPO "
-                 f"{b['gn_std']:.3g}{sd(b, 'gn_std')} (ratio {a['gn_std'] / max(b['gn_std'], 1e-12):.2f}{per_seed}; "
-                 f"std/mean {a['gn_cv']:.2f} vs {b['gn_cv']:.2f}; {a['seeds']} / {b['seeds']} seeds)")
+      per_seed = (
+        f"; per seed MIS-PO/PPO {', '.join(f'{x / max(y, 1e-12):.2f}' for _, x, y in pairs)}" if len(pairs) > 1 else ""
+      )
+      out.append(
+        f"- {setting}: actor grad-norm std MIS-PO {a['gn_std']:.3g}{sd(a, 'gn_std')} vs PPO "
+        f"{b['gn_std']:.3g}{sd(b, 'gn_std')} (ratio {a['gn_std'] / max(b['gn_std'], 1e-12):.2f}{per_seed}; "
+        f"std/mean {a['gn_cv']:.2f} vs {b['gn_cv']:.2f}; {a['seeds']} / {b['seeds']} seeds)"
+      )
   bo, ze = g.get("mispo/bf16/trunc-bootstrap"), g.get("mispo/bf16/trunc-zero")
   if bo and ze:
     diff = lambda k: ", ".join(f"{x - y:+.3f}" for _, x, y in _paired(rows, bo["group"], ze["group"], k))
-    out.append(f"- truncation at N = {bo['max_new_tokens']} ({trunc['measured_rate']:.0%} of SFT samples cut; "
-               f"{bo['trunc_rate']:.0%} / {ze['trunc_rate']:.0%} during RL): bootstrap vs zero: reward (last quarter) "
-               f"{bo['reward_last']:.3f}{sd(bo, 'reward_last')} vs {ze['reward_last']:.3f}{sd(ze, 'reward_last')}, "
-               f"held-out accuracy {bo['acc_after']:.3f}{sd(bo, 'acc_after')} vs {ze['acc_after']:.3f}"
-               f"{sd(ze, 'acc_after')} (SFT {bo['acc_before']:.3f}), gn std {bo['gn_std']:.3g} vs {ze['gn_std']:.3g}; "
-               f"per seed bootstrap - zero: accuracy {diff('acc_after')}, reward {diff('reward_last')}")
+    out.append(
+      f"- truncation at N = {bo['max_new_tokens']} ({trunc['measured_rate']:.0%} of SFT samples cut; "
+      f"{bo['trunc_rate']:.0%} / {ze['trunc_rate']:.0%} during RL): bootstrap vs zero: reward (last quarter) "
+      f"{bo['reward_last']:.3f}{sd(bo, 'reward_last')} vs {ze['reward_last']:.3f}{sd(ze, 'reward_last')}, "
+      f"held-out accuracy {bo['acc_after']:.3f}{sd(bo, 'acc_after')} vs {ze['acc_after']:.3f}"
+      f"{sd(ze, 'acc_after')} (SFT {bo['acc_before']:.3f}), gn std {bo['gn_std']:.3g} vs {ze['gn_std']:.3g}; "
+      f"per seed bootstrap - zero: accuracy {diff('acc_after')}, reward {diff('reward_last')}"
+    )
   return out
 
 
@@ -127,46 +190,68 @@ def headline(groups: list[dict], trunc: dict | None, rows: list[dict] = ()) -> l
 def _mean_curves(workdir, names):
   """Per-step mean over the runs `names` of every numeric key."""
   from stepflash_jax.train.metrics import read_jsonl
+
   by_step = {}
   for n in names:
     for r in read_jsonl(os.path.join(workdir, "runs", n, "rl", "metrics_rl.jsonl")):
       by_step.setdefault(r["step"], []).append(r)
-  return [{"step": s, **{k: float(np.mean([r[k] for r in rs if k in r])) for k in rs[0] if k != "step"}}
-          for s, rs in sorted(by_step.items())]
+  return [
+    {"step": s, **{k: float(np.mean([r[k] for r in rs if k in r])) for k in rs[0] if k != "step"}}
+    for s, rs in sorted(by_step.items())
+  ]
 
 
 def plots(workdir, vs, rows, probe_rows) -> list[str]:
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
   from stepflash_jax.train.metrics import plot_metrics
+
   out = []
   main = [v for v in vs if not v["name"].startswith("trunc-")]
-  curves = {g: _mean_curves(workdir, [v["name"] for v in vs if v["group"] == g])
-            for g in dict.fromkeys(v["group"] for v in vs)}
+  curves = {
+    g: _mean_curves(workdir, [v["name"] for v in vs if v["group"] == g]) for g in dict.fromkeys(v["group"] for v in vs)
+  }
   for setting in dict.fromkeys(v["setting"] for v in main):
     p = os.path.join(workdir, f"curves_setting_{setting}.png")
-    plot_metrics({g.split("/")[0]: curves[g] for g in curves if g.endswith(f"/{setting}")}, CURVE_KEYS, p,
-                 title=f"objectives under the {setting} engine (mean over seeds)")
+    plot_metrics(
+      {g.split("/")[0]: curves[g] for g in curves if g.endswith(f"/{setting}")},
+      CURVE_KEYS,
+      p,
+      title=f"objectives under the {setting} engine (mean over seeds)",
+    )
     out.append(p)
   for obj in dict.fromkeys(v["objective"] for v in main):
     p = os.path.join(workdir, f"curves_objective_{obj}.png")
-    plot_metrics({g.split("/")[1]: curves[g] for g in curves if g.startswith(f"{obj}/") and "trunc" not in g},
-                 CURVE_KEYS, p, title=f"{obj} under each mismatch setting (mean over seeds)")
+    plot_metrics(
+      {g.split("/")[1]: curves[g] for g in curves if g.startswith(f"{obj}/") and "trunc" not in g},
+      CURVE_KEYS,
+      p,
+      title=f"{obj} under each mismatch setting (mean over seeds)",
+    )
     out.append(p)
   trunc_vs = [v for v in vs if v["name"].startswith("trunc-")]
   if trunc_vs:
     from stepflash_jax.train.metrics import read_jsonl
+
     p = os.path.join(workdir, "truncation.png")
-    plot_metrics({v["name"]: read_jsonl(os.path.join(workdir, "runs", v["name"], "rl", "metrics_rl.jsonl"))
-                  for v in trunc_vs}, TRUNC_KEYS, p, title="truncation-aware bootstrapping vs reward 0")
+    plot_metrics(
+      {v["name"]: read_jsonl(os.path.join(workdir, "runs", v["name"], "rl", "metrics_rl.jsonl")) for v in trunc_vs},
+      TRUNC_KEYS,
+      p,
+      title="truncation-aware bootstrapping vs reward 0",
+    )
     out.append(p)
   # grad-norm summary and routing confidence against mismatch
   fig = Figure(figsize=(17, 4.2), dpi=100)
   FigureCanvasAgg(fig)
   ax = fig.add_subplot(1, 4, 1)
   groups = [r for r in group_rows(rows) if "trunc" not in r["group"]]
-  ax.bar(range(len(groups)), [r["gn_std"] for r in groups],
-         yerr=[0 if r["seeds"] < 2 else r["gn_std_sd"] for r in groups], color="tab:blue")
+  ax.bar(
+    range(len(groups)),
+    [r["gn_std"] for r in groups],
+    yerr=[0 if r["seeds"] < 2 else r["gn_std_sd"] for r in groups],
+    color="tab:blue",
+  )
   ax.set_xticks(range(len(groups)), [r["group"] for r in groups], rotation=70, fontsize=7)
   ax.set_title("actor grad-norm std over generations", fontsize=10)
   if probe_rows:
@@ -190,10 +275,15 @@ def plots(workdir, vs, rows, probe_rows) -> list[str]:
     ax.legend(fontsize=6)
   ax = fig.add_subplot(1, 4, 4)
   from stepflash_jax.train.metrics import read_jsonl
+
   for setting in dict.fromkeys(v["setting"] for v in main):
-    pts = [(r["logp_abs_diff_mean"], r["confidence_train"]) for v in main if v["setting"] == setting
-           for r in read_jsonl(os.path.join(workdir, "runs", v["name"], "rl", "metrics_rl.jsonl"))
-           if "logp_abs_diff_mean" in r]
+    pts = [
+      (r["logp_abs_diff_mean"], r["confidence_train"])
+      for v in main
+      if v["setting"] == setting
+      for r in read_jsonl(os.path.join(workdir, "runs", v["name"], "rl", "metrics_rl.jsonl"))
+      if "logp_abs_diff_mean" in r
+    ]
     if pts:
       ax.scatter(*zip(*pts), s=8, label=setting)
   ax.set_xscale("log")

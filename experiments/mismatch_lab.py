@@ -18,6 +18,7 @@ Every finished variant leaves <workdir>/runs/<name>/lab.json and is skipped on a
 from its checkpoint. XLA compilations are cached on disk (lab.compile_cache) so variants of one objective compile
 once. For PPO and TIS, whose losses ignore pi_vllm, the MIS keep fractions are diagnostics (what MIS-PO would keep).
 """
+
 from __future__ import annotations
 
 import json
@@ -39,10 +40,12 @@ def split(s, cast=str):
 
 def setting_overrides(lab, setting: str) -> dict:
   """The rl.* overrides of one mismatch setting (configs/lab.py)."""
-  table = {"fp32": dict(rollout_dtype="float32"),
-           "bf16": dict(rollout_dtype="bfloat16"),
-           "noise": dict(rollout_dtype="bfloat16", logit_noise=float(lab.noise_scale)),
-           "stale": dict(rollout_dtype="bfloat16", staleness=int(lab.stale_steps))}
+  table = {
+    "fp32": dict(rollout_dtype="float32"),
+    "bf16": dict(rollout_dtype="bfloat16"),
+    "noise": dict(rollout_dtype="bfloat16", logit_noise=float(lab.noise_scale)),
+    "stale": dict(rollout_dtype="bfloat16", staleness=int(lab.stale_steps)),
+  }
   if setting not in table:
     raise ValueError(f"config field 'lab.settings': unknown setting {setting!r}, known: {sorted(table)}")
   return table[setting]
@@ -58,23 +61,44 @@ def variants(config, trunc_len: int | None) -> list[dict]:
     for setting in split(lab.settings):
       group = f"{obj}/{setting}"
       for seed in seeds + (extra if f"{obj}:{setting}" in multi else []):
-        out.append(dict(name=f"{obj}-{setting}-s{seed}", group=group, objective=obj, setting=setting, seed=seed,
-                        truncation=config.rl.truncation,
-                        rl=dict(objective=obj, **setting_overrides(lab, setting))))
+        out.append(
+          dict(
+            name=f"{obj}-{setting}-s{seed}",
+            group=group,
+            objective=obj,
+            setting=setting,
+            seed=seed,
+            truncation=config.rl.truncation,
+            rl=dict(objective=obj, **setting_overrides(lab, setting)),
+          )
+        )
   if trunc_len:
     for mode in split(lab.truncation_modes):
       for seed in seeds + extra:
-        out.append(dict(name=f"trunc-{mode}-n{trunc_len}-s{seed}", group=f"mispo/bf16/trunc-{mode}", seed=seed,
-                        objective="mispo", setting="bf16", truncation=mode,
-                        rl=dict(objective="mispo", rollout_dtype="bfloat16", truncation=mode,
-                                max_new_tokens=int(trunc_len), steps=int(lab.truncation_steps))))
+        out.append(
+          dict(
+            name=f"trunc-{mode}-n{trunc_len}-s{seed}",
+            group=f"mispo/bf16/trunc-{mode}",
+            seed=seed,
+            objective="mispo",
+            setting="bf16",
+            truncation=mode,
+            rl=dict(
+              objective="mispo",
+              rollout_dtype="bfloat16",
+              truncation=mode,
+              max_new_tokens=int(trunc_len),
+              steps=int(lab.truncation_steps),
+            ),
+          )
+        )
   return out
 
 
 def run_priority(v: dict):
   """Run order: seed 0 of MIS-PO / PPO under bf16, the truncation pair, the other bf16 runs, the rest; then seeds."""
   trunc = v["name"].startswith("trunc-")
-  rank = (0 if v["group"] in ("mispo/bf16", "ppo/bf16") else 1 if trunc else 2 if v["setting"] == "bf16" else 3)
+  rank = 0 if v["group"] in ("mispo/bf16", "ppo/bf16") else 1 if trunc else 2 if v["setting"] == "bf16" else 3
   return (v["seed"], rank)
 
 
@@ -99,14 +123,19 @@ def _sequence_scorer(args, prompt_len):
   from stepflash_jax.rl import trainer
 
   def leaves(st, name):
-    return jnp.stack([v[0].reshape(()) for p, v in jax.tree_util.tree_flatten_with_path(
-        st, is_leaf=lambda x: isinstance(x, tuple))[0] if getattr(p[-1], "key", None) == name])     # [L]
+    return jnp.stack(
+      [
+        v[0].reshape(())
+        for p, v in jax.tree_util.tree_flatten_with_path(st, is_leaf=lambda x: isinstance(x, tuple))[0]
+        if getattr(p[-1], "key", None) == name
+      ]
+    )  # [L]
 
   def one(variables, tokens, positions, seg):
     def run(s):
-      _, st = model_lib.apply(args, variables, tokens[None], positions=positions[None], segment_ids=s[None],
-                              stats=True)
+      _, st = model_lib.apply(args, variables, tokens[None], positions=positions[None], segment_ids=s[None], stats=True)
       return leaves(st, "confidence"), leaves(st, "tokens")
+
     c_all, n_all = run(seg)
     c_p, n_p = run(seg.at[prompt_len:].set(0))
     return jnp.mean((c_all * n_all - c_p * n_p) / jnp.maximum(n_all - n_p, 1.0))
@@ -116,6 +145,7 @@ def _sequence_scorer(args, prompt_len):
     logits, _ = trainer.response_logits(args, variables, mb, prompt_len)
     conf = jax.vmap(one, in_axes=(None, 0, 0, 0))(variables, mb["tokens"], mb["positions"], mb["segment_ids"])
     return trainer.token_logp(logits, mb["response"]), conf
+
   return score
 
 
@@ -123,8 +153,16 @@ def _prompt_batches(config, tok, seed):
   """lab.probe_batches fixed batches of lab.probe_prompts prompts x samples_per_prompt (the RL batch shape)."""
   from stepflash_jax.data import prompt_dataset
   from stepflash_jax.rl import trainer
-  it = iter(prompt_dataset(tok, batch_size=int(config.lab.probe_prompts), max_prompt_len=config.data.max_prompt_len,
-                           mixture=config.data.mixture, seed=seed))
+
+  it = iter(
+    prompt_dataset(
+      tok,
+      batch_size=int(config.lab.probe_prompts),
+      max_prompt_len=config.data.max_prompt_len,
+      mixture=config.data.mixture,
+      seed=seed,
+    )
+  )
   return [trainer.repeat_prompts(next(it), config.rl.samples_per_prompt) for _ in range(int(config.lab.probe_batches))]
 
 
@@ -135,6 +173,7 @@ def probe(config, variables, tok, log=print) -> list[dict]:
   from stepflash_jax import model as model_lib
   from stepflash_jax.rl import losses, trainer
   from stepflash_jax.rl.rollout import RolloutEngine
+
   lab, rc, P = config.lab, config.rl, config.data.max_prompt_len
   batches = _prompt_batches(config, tok, config.seed + 1000)
   score = _sequence_scorer(model_lib.as_args(config.model), P)
@@ -142,41 +181,74 @@ def probe(config, variables, tok, log=print) -> list[dict]:
   settings += [(f"bf16+noise{s:g}", "bfloat16", s) for s in split(lab.probe_noise, float)]
   rows = []
   for name, dtype, noise in settings:
-    engine = RolloutEngine(config.model, max_prompt_len=P, max_new_tokens=rc.max_new_tokens, eos_id=tok.eos_id,
-                           pad_id=tok.pad_id, dtype=dtype, temperature=rc.temperature, top_p=rc.top_p,
-                           logit_noise=noise)
+    engine = RolloutEngine(
+      config.model,
+      max_prompt_len=P,
+      max_new_tokens=rc.max_new_tokens,
+      eos_id=tok.eos_id,
+      pad_id=tok.pad_id,
+      dtype=dtype,
+      temperature=rc.temperature,
+      top_p=rc.top_p,
+      logit_noise=noise,
+    )
     parts = []
     for i, prompts in enumerate(batches):
       gen = engine.generate(variables, prompts["tokens"], prompts["lengths"], jax.random.key(config.seed + i))
       batch = trainer.sequences(prompts, gen)
       logp_old, conf = score(variables, {k: jnp.asarray(v) for k, v in batch.items()})
-      parts.append(dict(logp_old=np.asarray(logp_old), conf=np.asarray(conf), mask=batch["mask"],
-                        logp_rollout=batch["logp_rollout"], truncated=np.asarray(gen["truncated"]),
-                        conf_rollout=float(gen["routing_confidence"])))
+      parts.append(
+        dict(
+          logp_old=np.asarray(logp_old),
+          conf=np.asarray(conf),
+          mask=batch["mask"],
+          logp_rollout=batch["logp_rollout"],
+          truncated=np.asarray(gen["truncated"]),
+          conf_rollout=float(gen["routing_confidence"]),
+        )
+      )
     cat = lambda k: np.concatenate([p[k] for p in parts])
     logp_old, conf, mask, logp_rollout = cat("logp_old"), cat("conf"), cat("mask"), cat("logp_rollout")
-    keep, info = losses.mis_mask(jnp.asarray(logp_old), jnp.asarray(logp_rollout), jnp.asarray(mask),
-                                 tuple(rc.token_bounds), tuple(rc.traj_bounds))
+    keep, info = losses.mis_mask(
+      jnp.asarray(logp_old), jnp.asarray(logp_rollout), jnp.asarray(mask), tuple(rc.token_bounds), tuple(rc.traj_bounds)
+    )
     diff = np.abs(logp_old - logp_rollout)
     ad = diff[mask > 0]
     per_seq = (diff * mask).sum(1) / np.maximum(mask.sum(1), 1)
     traj_ok = np.asarray(info["traj_ok"])
     corr = float(np.corrcoef(conf, per_seq)[0, 1]) if per_seq.std() > 0 and conf.std() > 0 else float("nan")
-    rows.append(dict(
-        setting=name, dtype=dtype, noise=noise, responses=len(mask), tokens=int(mask.sum()),
-        logp_diff_mean=float(ad.mean()), logp_diff_p50=float(np.percentile(ad, 50)),
-        logp_diff_p90=float(np.percentile(ad, 90)), logp_diff_p99=float(np.percentile(ad, 99)),
-        logp_diff_max=float(ad.max()), log_rho_mean=float(np.asarray(info["log_rho"]).mean()),
-        token_keep=float(np.asarray(info["token_ok"]).sum() / mask.sum()), traj_keep=float(traj_ok.mean()),
+    rows.append(
+      dict(
+        setting=name,
+        dtype=dtype,
+        noise=noise,
+        responses=len(mask),
+        tokens=int(mask.sum()),
+        logp_diff_mean=float(ad.mean()),
+        logp_diff_p50=float(np.percentile(ad, 50)),
+        logp_diff_p90=float(np.percentile(ad, 90)),
+        logp_diff_p99=float(np.percentile(ad, 99)),
+        logp_diff_max=float(ad.max()),
+        log_rho_mean=float(np.asarray(info["log_rho"]).mean()),
+        token_keep=float(np.asarray(info["token_ok"]).sum() / mask.sum()),
+        traj_keep=float(traj_ok.mean()),
         kept=float(np.asarray(keep).sum() / mask.sum()),
-        conf_rollout=float(np.mean([p["conf_rollout"] for p in parts])), conf_train=float(conf.mean()),
+        conf_rollout=float(np.mean([p["conf_rollout"] for p in parts])),
+        conf_train=float(conf.mean()),
         conf_kept=float(conf[traj_ok].mean()) if traj_ok.any() else float("nan"),
         conf_filtered=float(conf[~traj_ok].mean()) if (~traj_ok).any() else float("nan"),
-        corr_conf_dlogp=corr, truncation_rate=float(cat("truncated").mean()),
-        mean_len=float(mask.sum(1).mean()), per_seq_conf=conf.tolist(), per_seq_dlogp=per_seq.tolist()))
-    log(f"lab probe {name:>16}: |dlogp| mean {ad.mean():.4f} p99 {np.percentile(ad, 99):.3f} | traj keep "
-        f"{traj_ok.mean():.2f} | Sigma_k rollout {rows[-1]['conf_rollout']:.4f} train {conf.mean():.4f} | "
-        f"corr(Sigma_k, |dlogp|) {corr:+.2f}")
+        corr_conf_dlogp=corr,
+        truncation_rate=float(cat("truncated").mean()),
+        mean_len=float(mask.sum(1).mean()),
+        per_seq_conf=conf.tolist(),
+        per_seq_dlogp=per_seq.tolist(),
+      )
+    )
+    log(
+      f"lab probe {name:>16}: |dlogp| mean {ad.mean():.4f} p99 {np.percentile(ad, 99):.3f} | traj keep "
+      f"{traj_ok.mean():.2f} | Sigma_k rollout {rows[-1]['conf_rollout']:.4f} train {conf.mean():.4f} | "
+      f"corr(Sigma_k, |dlogp|) {corr:+.2f}"
+    )
   return rows
 
 
@@ -196,26 +268,50 @@ def calibrate_truncation(config, variables, tok, log=print) -> dict:
   """The limit N that cuts ~lab.truncation_target of the SFT policy's responses, measured again at N (bf16)."""
   import jax
   from stepflash_jax.rl.rollout import RolloutEngine
+
   rc, P = config.rl, config.data.max_prompt_len
   batches = _prompt_batches(config, tok, config.seed + 2000)
 
   def sample(n):
-    engine = RolloutEngine(config.model, max_prompt_len=P, max_new_tokens=n, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                           dtype="bfloat16", temperature=rc.temperature, top_p=rc.top_p)
-    outs = [engine.generate(variables, b["tokens"], b["lengths"], jax.random.key(config.seed + 7 + i))
-            for i, b in enumerate(batches)]
-    return (np.concatenate([np.asarray(o["lengths"]) for o in outs]),
-            np.concatenate([np.asarray(o["truncated"]) for o in outs]))
+    engine = RolloutEngine(
+      config.model,
+      max_prompt_len=P,
+      max_new_tokens=n,
+      eos_id=tok.eos_id,
+      pad_id=tok.pad_id,
+      dtype="bfloat16",
+      temperature=rc.temperature,
+      top_p=rc.top_p,
+    )
+    outs = [
+      engine.generate(variables, b["tokens"], b["lengths"], jax.random.key(config.seed + 7 + i))
+      for i, b in enumerate(batches)
+    ]
+    return (
+      np.concatenate([np.asarray(o["lengths"]) for o in outs]),
+      np.concatenate([np.asarray(o["truncated"]) for o in outs]),
+    )
+
   lengths, trunc = sample(rc.max_new_tokens)
   n, cut = truncation_limit(lengths, trunc, rc.max_new_tokens, config.lab.truncation_target)
   _, trunc_n = sample(n)
-  res = dict(target=float(config.lab.truncation_target), max_new_tokens=int(n), predicted_rate=cut,
-             measured_rate=float(trunc_n.mean()), full_limit=int(rc.max_new_tokens),
-             full_limit_rate=float(trunc.mean()), mean_len=float(lengths.mean()), responses=int(len(lengths)),
-             length_quantiles={q: float(np.percentile(lengths, q)) for q in (50, 80, 90, 100)},
-             lengths=lengths.tolist(), truncated_at_full_limit=trunc.tolist())
-  log(f"lab truncation: limit {n} cuts {res['measured_rate']:.1%} of the SFT policy's responses "
-      f"(predicted {cut:.1%}; {res['full_limit_rate']:.1%} at {rc.max_new_tokens})")
+  res = dict(
+    target=float(config.lab.truncation_target),
+    max_new_tokens=int(n),
+    predicted_rate=cut,
+    measured_rate=float(trunc_n.mean()),
+    full_limit=int(rc.max_new_tokens),
+    full_limit_rate=float(trunc.mean()),
+    mean_len=float(lengths.mean()),
+    responses=int(len(lengths)),
+    length_quantiles={q: float(np.percentile(lengths, q)) for q in (50, 80, 90, 100)},
+    lengths=lengths.tolist(),
+    truncated_at_full_limit=trunc.tolist(),
+  )
+  log(
+    f"lab truncation: limit {n} cuts {res['measured_rate']:.1%} of the SFT policy's responses "
+    f"(predicted {cut:.1%}; {res['full_limit_rate']:.1%} at {rc.max_new_tokens})"
+  )
   return res
 
 
@@ -239,6 +335,7 @@ def run_lab(config, workdir: str, log=print, parts=PARTS) -> dict:
   truncation variants); the table and plots cover every variant of the config finished in workdir."""
   from stepflash_jax.rl import trainer
   from stepflash_jax.train import sft
+
   bad = [p for p in parts if p not in PARTS]
   if bad:
     raise ValueError(f"run_lab: unknown parts {bad}, known: {PARTS}")
@@ -250,8 +347,9 @@ def run_lab(config, workdir: str, log=print, parts=PARTS) -> dict:
   sft_dir = lab.get("sft_workdir") or os.path.join(workdir, "sft")
   sft_out = sft.train(config, sft_dir, log=log)
   variables, tok = sft_out["variables"], sft_out["tokenizer"]
-  log(f"lab: SFT checkpoint {sft_dir} (step {sft_out['step']}), held-out accuracy "
-      f"{sft_out['accuracy']['accuracy']:.3f}")
+  log(
+    f"lab: SFT checkpoint {sft_dir} (step {sft_out['step']}), held-out accuracy {sft_out['accuracy']['accuracy']:.3f}"
+  )
   probe_path = os.path.join(workdir, "probe.json")
   probe_rows = []
   if "probe" in parts and lab.probe_batches:
@@ -266,7 +364,7 @@ def run_lab(config, workdir: str, log=print, parts=PARTS) -> dict:
   vs = variants(config, trunc and trunc["max_new_tokens"])
   done = lambda v: os.path.exists(os.path.join(workdir, "runs", v["name"], "lab.json"))
   todo = [v for v in vs if ("truncation" if v["name"].startswith("trunc-") else "mismatch") in parts]
-  todo.sort(key=run_priority)       # the headline comparisons first (seed 0), then the rest
+  todo.sort(key=run_priority)  # the headline comparisons first (seed 0), then the rest
   for i, v in enumerate(todo):
     if done(v):
       continue
@@ -278,8 +376,10 @@ def run_lab(config, workdir: str, log=print, parts=PARTS) -> dict:
     meta = dict(v, seconds=time.time() - t0, max_new_tokens=cfg.rl.max_new_tokens, **s)
     with open(os.path.join(rd, "lab.json"), "w") as f:
       json.dump(meta, f, indent=1)
-    log(f"lab: {v['name']} done in {meta['seconds']:.0f}s: acc {s['accuracy_before']:.3f} -> "
-        f"{s['accuracy_after']:.3f}, actor grad norm {s['actor_grad_norm_mean']:.3g} ± {s['actor_grad_norm_std']:.3g}")
+    log(
+      f"lab: {v['name']} done in {meta['seconds']:.0f}s: acc {s['accuracy_before']:.3f} -> "
+      f"{s['accuracy_after']:.3f}, actor grad norm {s['actor_grad_norm_mean']:.3g} ± {s['actor_grad_norm_std']:.3g}"
+    )
   vs = [v for v in vs if done(v)]
   rows = [run_row(v, workdir) for v in vs]
   groups = group_rows(rows)
@@ -288,9 +388,28 @@ def run_lab(config, workdir: str, log=print, parts=PARTS) -> dict:
   write_csv(os.path.join(workdir, "lab_runs.csv"), rows)
   write_csv(os.path.join(workdir, "lab_table.csv"), groups)
   from stepflash_jax.train.metrics import summary_table
-  probe_cols = ["setting", "responses", "tokens", "logp_diff_mean", "logp_diff_p50", "logp_diff_p90",
-                "logp_diff_p99", "logp_diff_max", "log_rho_mean", "token_keep", "traj_keep", "kept", "conf_rollout",
-                "conf_train", "conf_kept", "conf_filtered", "corr_conf_dlogp", "mean_len", "truncation_rate"]
+
+  probe_cols = [
+    "setting",
+    "responses",
+    "tokens",
+    "logp_diff_mean",
+    "logp_diff_p50",
+    "logp_diff_p90",
+    "logp_diff_p99",
+    "logp_diff_max",
+    "log_rho_mean",
+    "token_keep",
+    "traj_keep",
+    "kept",
+    "conf_rollout",
+    "conf_train",
+    "conf_kept",
+    "conf_filtered",
+    "corr_conf_dlogp",
+    "mean_len",
+    "truncation_rate",
+  ]
   probe_md = summary_table(probe_rows, probe_cols) if probe_rows else ""
   if probe_rows:
     write_csv(os.path.join(workdir, "probe.csv"), probe_rows, probe_cols)
@@ -298,30 +417,46 @@ def run_lab(config, workdir: str, log=print, parts=PARTS) -> dict:
   with open(os.path.join(workdir, "lab_table.md"), "w") as f:
     f.write("# Mismatch lab\n\n" + table + "\n\n" + "\n".join(head) + "\n")
     if trunc:
-      f.write("\nTruncation calibration: " + json.dumps({k: v for k, v in trunc.items() if not isinstance(v, list)}) + "\n")
+      f.write(
+        "\nTruncation calibration: " + json.dumps({k: v for k, v in trunc.items() if not isinstance(v, list)}) + "\n"
+      )
     if probe_md:
       f.write("\n## Probe: SFT policy sampled by each engine, scored by the fp32 training engine\n\n" + probe_md + "\n")
-    f.write("\ngn = actor gradient global norm (before clipping), per generation the mean over its actor mini-batches; "
-            "std/max over generations. abs dlogp = |log pi_old - log pi_vllm| over valid response tokens (max: over "
-            "generations of the mini-batch mean of the per-mini-batch max). tok/traj keep: the MIS filter (for PPO/TIS what it would "
-            "keep). conf = routing confidence Sigma_k. reward first/last, entropy first/last: first/last quarter "
-            "of the generations.\n")
+    f.write(
+      "\ngn = actor gradient global norm (before clipping), per generation the mean over its actor mini-batches; "
+      "std/max over generations. abs dlogp = |log pi_old - log pi_vllm| over valid response tokens (max: over "
+      "generations of the mini-batch mean of the per-mini-batch max). tok/traj keep: the MIS filter (for PPO/TIS what it would "
+      "keep). conf = routing confidence Sigma_k. reward first/last, entropy first/last: first/last quarter "
+      "of the generations.\n"
+    )
   if groups:
     log(table)
   for line in head:
     log(line)
-  log(f"lab: done in {(time.time() - t_start) / 60:.1f} min; {os.path.join(workdir, 'lab_table.md')}, plots: "
-      + ", ".join(os.path.basename(p) for p in png))
-  return dict(table=table, groups=groups, rows=rows, probe=probe_rows, probe_table=probe_md, truncation=trunc,
-              headline=head, plots=png)
+  log(
+    f"lab: done in {(time.time() - t_start) / 60:.1f} min; {os.path.join(workdir, 'lab_table.md')}, plots: "
+    + ", ".join(os.path.basename(p) for p in png)
+  )
+  return dict(
+    table=table,
+    groups=groups,
+    rows=rows,
+    probe=probe_rows,
+    probe_table=probe_md,
+    truncation=trunc,
+    headline=head,
+    plots=png,
+  )
 
 
 def main(argv):
   del argv
   from absl import logging
+
   logging.set_verbosity(logging.WARNING)
   from stepflash_jax.train.validate import validate_run_config
   import jax
+
   config = _CONFIG.value
   try:
     validate_run_config(config, num_devices=jax.device_count())
@@ -338,8 +473,10 @@ def main(argv):
 if __name__ == "__main__":
   from absl import app, flags
   from ml_collections import config_flags
-  _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/lab.py, ':small' for the quick variant.",
-                                            lock_config=True)
+
+  _CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "configs/lab.py, ':small' for the quick variant.", lock_config=True
+  )
   _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default: runs/lab).")
   _PARTS = flags.DEFINE_list("parts", list(PARTS), "Parts of the lab to run (the tables cover what is finished).")
   flags.mark_flags_as_required(["config"])

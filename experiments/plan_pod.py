@@ -20,6 +20,7 @@ What is exact and what is estimated:
     update (gradients + activations, no MTP) or critic update (gradients + activations, no logits).
 Not modelled: XLA temporaries/fragmentation (keep ~10-15% headroom), the compiled program, host offload.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,7 +39,7 @@ from stepflash_jax import model as model_lib
 from stepflash_jax import parallel
 from stepflash_jax.optim import muon
 
-GiB = 2 ** 30
+GiB = 2**30
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/model/step35_flash.py", "model config file")
 _MESH = flags.DEFINE_string("mesh", "data:1,fsdp:16,expert:16,tensor:1", "axis sizes data/fsdp/expert/tensor")
 _BATCH = flags.DEFINE_integer("batch", 32, "SFT global batch (sequences)")
@@ -53,13 +54,18 @@ _CMB = flags.DEFINE_integer("critic_minibatches", 12, "critic mini-batches per g
 _ROLL_DTYPE = flags.DEFINE_enum("rollout_dtype", "bfloat16", ["bfloat16", "float32"], "rollout engine dtype")
 _HBM = flags.DEFINE_float("hbm_gib", 95.0, "HBM per device in GiB (v5p: 95, H200: 141 GB = 131.3 GiB)")
 _CF = flags.DEFINE_float("capacity_factor", 1.0, "MoE rows per device relative to a perfectly balanced load")
-_MICRO = flags.DEFINE_integer("micro_rows", 0, "RL: rows per device per forward/backward pass with gradient "
-                              "accumulation (0 = the whole mini-batch in one pass, as rl/trainer.py does today)")
+_MICRO = flags.DEFINE_integer(
+  "micro_rows",
+  0,
+  "RL: rows per device per forward/backward pass with gradient "
+  "accumulation (0 = the whole mini-batch in one pass, as rl/trainer.py does today)",
+)
 _SWEEP = flags.DEFINE_bool("sweep", False, "print the hardware x mesh table instead of one plan")
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Exact: variables and optimizer state
+
 
 def parse_mesh(text: str) -> dict:
   sizes = dict(data=1, fsdp=1, expert=1, tensor=1)
@@ -80,8 +86,12 @@ def shard_bytes(x, spec, sizes) -> int:
 
 
 def tree_bytes(tree, specs, sizes) -> int:
-  return sum(shard_bytes(x, s, sizes) for x, s in
-             zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))))
+  return sum(
+    shard_bytes(x, s, sizes)
+    for x, s in zip(
+      jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+    )
+  )
 
 
 @functools.lru_cache(maxsize=8)
@@ -98,15 +108,25 @@ def static_bytes(args, sizes, rules, head: str, dropped: list) -> dict:
   specs = parallel.variable_specs(args, sizes, rules, head, dropped)
   opt_specs = parallel.state_specs(opt, args, sizes, rules)
   p = tree_bytes(shapes["params"], specs["params"], sizes)
-  largest = max(shard_bytes(x, s, sizes) // np.dtype(x.dtype).itemsize * 4 for x, s in
-                zip(jax.tree.leaves(shapes["params"]), jax.tree.leaves(specs["params"], is_leaf=lambda s: isinstance(
-                    s, jax.sharding.PartitionSpec))))
-  return {"params": p, "router": tree_bytes(shapes["router"], specs["router"], sizes),
-          "opt": tree_bytes(opt, opt_specs, sizes), "grads": p, "muon_transient": 4 * largest}
+  largest = max(
+    shard_bytes(x, s, sizes) // np.dtype(x.dtype).itemsize * 4
+    for x, s in zip(
+      jax.tree.leaves(shapes["params"]),
+      jax.tree.leaves(specs["params"], is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)),
+    )
+  )
+  return {
+    "params": p,
+    "router": tree_bytes(shapes["router"], specs["router"], sizes),
+    "opt": tree_bytes(opt, opt_specs, sizes),
+    "grads": p,
+    "muon_transient": 4 * largest,
+  }
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Analytic: activations
+
 
 def layer_bytes(args, spec, t: int, cf: float) -> float:
   """Bytes kept for the backward pass per token by one decoder layer (tensor parallel t splits heads and mlp).
@@ -140,12 +160,12 @@ def activation_bytes(args, tokens: float, sizes, remat: str, cf: float, mtp: boo
   scanned = set(range(start, start + period * n))
   per = [layer_bytes(args, s, t, cf) for s in args.layers]
   unrolled = sum(p for i, p in enumerate(per) if i not in scanned)
-  block = sum(per[start:start + period]) if n else 0.0
+  block = sum(per[start : start + period]) if n else 0.0
   if remat == "none":
     layers = sum(per)
   elif remat == "block":
     layers = unrolled + n * a * H + block
-  else:   # every layer rematerialised
+  else:  # every layer rematerialised
     layers = len(per) * a * H + max(per)
   heads = 1 + (len(args.mtp_layers) if mtp else 0)
   mtp_layers = sum(a * 5 * H + layer_bytes(args, s, t, cf) for s in args.mtp_layers) if mtp else 0.0
@@ -166,14 +186,31 @@ def kv_cache_bytes(args, rows: float, length: int, sizes, dtype: str) -> float:
 
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def rows_per_device(sizes, rows: int) -> int:
   """Rows of a leading batch dimension per device: split over data x fsdp x expert, uneven splits padded
   (GSPMD); mesh.shard_batch places a non-divisible batch over the largest dividing subset instead."""
   return -(-rows // (sizes["data"] * sizes["fsdp"] * sizes["expert"]))
 
 
-def plan(cfg, sizes, *, batch, seq_len, remat, prompts, samples, prompt_len, response_len, actor_mb, critic_mb,
-         rollout_dtype, cf, hbm_gib, micro_rows=0) -> dict:
+def plan(
+  cfg,
+  sizes,
+  *,
+  batch,
+  seq_len,
+  remat,
+  prompts,
+  samples,
+  prompt_len,
+  response_len,
+  actor_mb,
+  critic_mb,
+  rollout_dtype,
+  cf,
+  hbm_gib,
+  micro_rows=0,
+) -> dict:
   """Per-device bytes of SFT and RL on a mesh (see the module docstring); `budget` = 90% of HBM."""
   args = model_lib.as_args(cfg)
   rules = parallel.DEFAULT_RULES
@@ -188,42 +225,64 @@ def plan(cfg, sizes, *, batch, seq_len, remat, prompts, samples, prompt_len, res
   # SFT: one step over the global batch (MTP heads included).
   rows = rows_per_device(sizes, batch)
   sft_tok = activation_bytes(args, 1, sizes, remat, cf, mtp=True, logits=True)
-  sft = {"params": lm["params"] + lm["router"], "opt": lm["opt"], "grads": lm["grads"],
-         "muon_transient": lm["muon_transient"]}
+  sft = {
+    "params": lm["params"] + lm["router"],
+    "opt": lm["opt"],
+    "grads": lm["grads"],
+    "muon_transient": lm["muon_transient"],
+  }
   static = sum(sft.values())
   sft.update({f"act_{k}": v * rows * seq_len for k, v in sft_tok.items()})
-  out["sft"] = {"bytes": sft, "total": sum(sft.values()), "static": static, "rows_per_device": rows,
-                "act_per_token": sum(sft_tok.values()), "max_tokens": max(0.0, budget - static) / sum(sft_tok.values())}
+  out["sft"] = {
+    "bytes": sft,
+    "total": sum(sft.values()),
+    "static": static,
+    "rows_per_device": rows,
+    "act_per_token": sum(sft_tok.values()),
+    "max_tokens": max(0.0, budget - static) / sum(sft_tok.values()),
+  }
 
   # RL: actor + critic + reference resident; the largest phase on top.
   B, L = prompts * samples, prompt_len + response_len
-  resident = {"actor": lm["params"] + lm["router"] + lm["opt"],
-              "critic": value["params"] + value["router"] + value["opt"], "reference": lm["params"] + lm["router"]}
+  resident = {
+    "actor": lm["params"] + lm["router"] + lm["opt"],
+    "critic": value["params"] + value["router"] + value["opt"],
+    "reference": lm["params"] + lm["router"],
+  }
   if np.dtype(args.param_dtype) != np.dtype(rollout_dtype):
     resident["rollout_cast"] = lm["params"] * np.dtype(rollout_dtype).itemsize // np.dtype(args.param_dtype).itemsize
-  r_rows, a_rows, c_rows = (rows_per_device(sizes, B), rows_per_device(sizes, -(-B // actor_mb)),
-                            rows_per_device(sizes, -(-B // critic_mb)))
+  r_rows, a_rows, c_rows = (
+    rows_per_device(sizes, B),
+    rows_per_device(sizes, -(-B // actor_mb)),
+    rows_per_device(sizes, -(-B // critic_mb)),
+  )
   accum = {"lm": 0, "value": 0}
-  if micro_rows:   # gradient accumulation: one fp32 accumulator, passes of micro_rows rows
+  if micro_rows:  # gradient accumulation: one fp32 accumulator, passes of micro_rows rows
     a_rows, c_rows = min(a_rows, micro_rows), min(c_rows, micro_rows)
     accum = {h: x["grads"] * 4 // np.dtype(args.param_dtype).itemsize for h, x in (("lm", lm), ("value", value))}
   actor_tok = sum(activation_bytes(args, 1, sizes, remat, cf, mtp=False, logits=False).values()) + 12 * V / t
   critic_tok = sum(activation_bytes(args, 1, sizes, remat, cf, mtp=False, logits=False).values())
   layer_max = max(layer_bytes(args, s_, t, cf) for s_ in args.layers)
   phases = {
-      # KV cache of every row + fp32 logits of every prompt position (the engine's prefill returns them all)
-      "rollout": kv_cache_bytes(args, r_rows, L, sizes, rollout_dtype) + r_rows * prompt_len * 4 * V / t,
-      # logp_old / logp_ref / values over one actor mini-batch (the code scores the whole generation at once)
-      "score": a_rows * L * (8 * V / t + layer_max),
-      "actor_update": lm["grads"] + accum["lm"] + lm["muon_transient"] + a_rows * L * actor_tok,
-      "critic_update": value["grads"] + accum["value"] + value["muon_transient"] + c_rows * L * critic_tok}
+    # KV cache of every row + fp32 logits of every prompt position (the engine's prefill returns them all)
+    "rollout": kv_cache_bytes(args, r_rows, L, sizes, rollout_dtype) + r_rows * prompt_len * 4 * V / t,
+    # logp_old / logp_ref / values over one actor mini-batch (the code scores the whole generation at once)
+    "score": a_rows * L * (8 * V / t + layer_max),
+    "actor_update": lm["grads"] + accum["lm"] + lm["muon_transient"] + a_rows * L * actor_tok,
+    "critic_update": value["grads"] + accum["value"] + value["muon_transient"] + c_rows * L * critic_tok,
+  }
   res = sum(resident.values())
   peak = max(phases, key=phases.get)
-  out["rl"] = {"resident": resident, "phases": phases, "static": res, "peak_phase": peak,
-               "total": res + phases[peak], "rows_per_device": {"rollout": r_rows, "actor_mb": a_rows,
-                                                                "critic_mb": c_rows},
-               "act_per_token": actor_tok,
-               "max_tokens": max(0.0, budget - res - lm["grads"] - accum["lm"] - lm["muon_transient"]) / actor_tok}
+  out["rl"] = {
+    "resident": resident,
+    "phases": phases,
+    "static": res,
+    "peak_phase": peak,
+    "total": res + phases[peak],
+    "rows_per_device": {"rollout": r_rows, "actor_mb": a_rows, "critic_mb": c_rows},
+    "act_per_token": actor_tok,
+    "max_tokens": max(0.0, budget - res - lm["grads"] - accum["lm"] - lm["muon_transient"]) / actor_tok,
+  }
   return out
 
 
@@ -241,37 +300,51 @@ def print_plan(p, sizes, hbm_gib, kw):
   for k, v in s["bytes"].items():
     print(f"  {k:20s}{_g(v):>9s} GiB")
   print(f"  {'total':20s}{_g(s['total']):>9s} GiB   fits: {ok(s['total'])}")
-  print(f"  activations {s['act_per_token'] / 1024:.0f} KiB/token -> at most {s['max_tokens']:.0f} tokens per device "
-        f"per step within 90% HBM")
+  print(
+    f"  activations {s['act_per_token'] / 1024:.0f} KiB/token -> at most {s['max_tokens']:.0f} tokens per device "
+    f"per step within 90% HBM"
+  )
   r = p["rl"]
-  print(f"\nRL: {kw['prompts']} x {kw['samples']} responses of {kw['prompt_len']} + {kw['response_len']} tokens, "
-        f"rows per device {r['rows_per_device']}")
+  print(
+    f"\nRL: {kw['prompts']} x {kw['samples']} responses of {kw['prompt_len']} + {kw['response_len']} tokens, "
+    f"rows per device {r['rows_per_device']}"
+  )
   for k, v in r["resident"].items():
     print(f"  {k:20s}{_g(v):>9s} GiB   (resident)")
   for k, v in r["phases"].items():
     print(f"  {k:20s}{_g(v):>9s} GiB   (phase{', peak' if k == r['peak_phase'] else ''})")
   print(f"  {'total':20s}{_g(r['total']):>9s} GiB   fits: {ok(r['total'])}")
-  print(f"  actor update {r['act_per_token'] / 1024:.0f} KiB/token -> at most {r['max_tokens']:.0f} tokens per "
-        f"device per update within 90% HBM")
+  print(
+    f"  actor update {r['act_per_token'] / 1024:.0f} KiB/token -> at most {r['max_tokens']:.0f} tokens per "
+    f"device per update within 90% HBM"
+  )
 
 
-HARDWARE = [   # (name, devices, GiB per device, candidate meshes)
-    ("v5p-256 = 128 chips", 128, 95.0, ["fsdp:128", "fsdp:16,expert:8", "fsdp:8,expert:16", "fsdp:4,expert:32",
-                                        "fsdp:4,expert:8,tensor:4"]),
-    ("v5p-512 = 256 chips", 256, 95.0, ["fsdp:16,expert:16", "fsdp:8,expert:32"]),
-    ("4 x 8 H200", 32, 141e9 / GiB, ["fsdp:32", "fsdp:4,expert:8", "fsdp:2,expert:8,tensor:2"]),
-    ("8 x 8 H200", 64, 141e9 / GiB, ["fsdp:8,expert:8", "fsdp:4,expert:16"]),
-    ("16 x 8 H200", 128, 141e9 / GiB, ["fsdp:16,expert:8", "fsdp:8,expert:16"]),
+HARDWARE = [  # (name, devices, GiB per device, candidate meshes)
+  (
+    "v5p-256 = 128 chips",
+    128,
+    95.0,
+    ["fsdp:128", "fsdp:16,expert:8", "fsdp:8,expert:16", "fsdp:4,expert:32", "fsdp:4,expert:8,tensor:4"],
+  ),
+  ("v5p-512 = 256 chips", 256, 95.0, ["fsdp:16,expert:16", "fsdp:8,expert:32"]),
+  ("4 x 8 H200", 32, 141e9 / GiB, ["fsdp:32", "fsdp:4,expert:8", "fsdp:2,expert:8,tensor:2"]),
+  ("8 x 8 H200", 64, 141e9 / GiB, ["fsdp:8,expert:8", "fsdp:4,expert:16"]),
+  ("16 x 8 H200", 128, 141e9 / GiB, ["fsdp:16,expert:8", "fsdp:8,expert:16"]),
 ]
 
 
 def sweep(cfg, kw):
-  print(f"SFT batch {kw['batch']} x {kw['seq_len']} tokens; RL {kw['prompts']} x {kw['samples']} responses of "
-        f"{kw['prompt_len']} + {kw['response_len']} tokens, {kw['actor_mb']} actor / {kw['critic_mb']} critic "
-        f"mini-batches, micro_rows {kw['micro_rows'] or 'off'}; remat {kw['remat']}; GiB per device; max tok = tokens per device per step that fit in 90% "
-        "HBM after the static part\n")
-  print("| hardware | mesh | SFT static | SFT max tok | SFT step (rows/dev) | RL resident | RL max tok (actor) | "
-        "RL peak phase | RL total |")
+  print(
+    f"SFT batch {kw['batch']} x {kw['seq_len']} tokens; RL {kw['prompts']} x {kw['samples']} responses of "
+    f"{kw['prompt_len']} + {kw['response_len']} tokens, {kw['actor_mb']} actor / {kw['critic_mb']} critic "
+    f"mini-batches, micro_rows {kw['micro_rows'] or 'off'}; remat {kw['remat']}; GiB per device; max tok = tokens per device per step that fit in 90% "
+    "HBM after the static part\n"
+  )
+  print(
+    "| hardware | mesh | SFT static | SFT max tok | SFT step (rows/dev) | RL resident | RL max tok (actor) | "
+    "RL peak phase | RL total |"
+  )
   print("|---|---|---|---|---|---|---|---|---|")
   for name, n, hbm, meshes in HARDWARE:
     for m in meshes:
@@ -281,17 +354,30 @@ def sweep(cfg, kw):
       p = plan(cfg, sizes, **kw, hbm_gib=hbm)
       s, r = p["sft"], p["rl"]
       mark = lambda x: "" if x <= 0.9 * hbm * GiB else (" (tight)" if x <= hbm * GiB else " (NO)")
-      print(f"| {name}, {hbm:.0f} GiB | {m} | {_g(s['static'])} | {s['max_tokens'] / 1024:.0f}K | "
-            f"{_g(s['total'])}{mark(s['total'])} ({s['rows_per_device']}) | {_g(r['static'])}{mark(r['static'])} | "
-            f"{r['max_tokens'] / 1024:.0f}K | {r['peak_phase']} {_g(r['phases'][r['peak_phase']])} | "
-            f"{_g(r['total'])}{mark(r['total'])} |")
+      print(
+        f"| {name}, {hbm:.0f} GiB | {m} | {_g(s['static'])} | {s['max_tokens'] / 1024:.0f}K | "
+        f"{_g(s['total'])}{mark(s['total'])} ({s['rows_per_device']}) | {_g(r['static'])}{mark(r['static'])} | "
+        f"{r['max_tokens'] / 1024:.0f}K | {r['peak_phase']} {_g(r['phases'][r['peak_phase']])} | "
+        f"{_g(r['total'])}{mark(r['total'])} |"
+      )
 
 
 def main(_):
   cfg = _CONFIG.value
-  kw = dict(batch=_BATCH.value, seq_len=_SEQ.value, remat=_REMAT.value, prompts=_PROMPTS.value,
-            samples=_SAMPLES.value, prompt_len=_PLEN.value, response_len=_RLEN.value, actor_mb=_AMB.value,
-            critic_mb=_CMB.value, rollout_dtype=_ROLL_DTYPE.value, cf=_CF.value, micro_rows=_MICRO.value)
+  kw = dict(
+    batch=_BATCH.value,
+    seq_len=_SEQ.value,
+    remat=_REMAT.value,
+    prompts=_PROMPTS.value,
+    samples=_SAMPLES.value,
+    prompt_len=_PLEN.value,
+    response_len=_RLEN.value,
+    actor_mb=_AMB.value,
+    critic_mb=_CMB.value,
+    rollout_dtype=_ROLL_DTYPE.value,
+    cf=_CF.value,
+    micro_rows=_MICRO.value,
+  )
   if _SWEEP.value:
     sweep(cfg, kw)
     return

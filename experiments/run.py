@@ -4,6 +4,7 @@
   python experiments/run.py --config=configs/sft.py --workdir=runs/sft --config.train.steps=200
 Without --workdir it writes to runs/<config name>. Rerunning the same command resumes from the latest checkpoint.
 """
+
 import os
 import sys
 
@@ -12,13 +13,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Python config file (get_config), ':arg' for a variant.",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", None, "Python config file (get_config), ':arg' for a variant.", lock_config=True
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default: runs/<config name>).")
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() (multi-host pods).")
-_COMPILE_CACHE = flags.DEFINE_string("compile_cache", "default",
-                                     "JAX persistent compilation cache directory ('default' = $STEPFLASH_CACHE/xla, "
-                                     "'' = off): reruns load compiled programs instead of compiling them again.")
+_COMPILE_CACHE = flags.DEFINE_string(
+  "compile_cache",
+  "default",
+  "JAX persistent compilation cache directory ('default' = $STEPFLASH_CACHE/xla, "
+  "'' = off): reruns load compiled programs instead of compiling them again.",
+)
 flags.mark_flags_as_required(["config"])
 
 
@@ -28,14 +33,17 @@ def default_workdir(config_path: str) -> str:
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)    # orbax logs every save step at INFO
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
   import jax
+
   if _DISTRIBUTED.value:
     jax.distributed.initialize()
   if _COMPILE_CACHE.value:
     from stepflash_jax.caches import enable_compile_cache
+
     enable_compile_cache(None if _COMPILE_CACHE.value == "default" else _COMPILE_CACHE.value)
   from stepflash_jax.train.validate import validate_run_config
+
   config = _CONFIG.value
   try:
     validate_run_config(config, num_devices=jax.device_count())
@@ -45,10 +53,12 @@ def main(argv):
   print(f"writing to {os.path.abspath(workdir)}", flush=True)
   if config.job == "sft":
     from stepflash_jax.train import sft
+
     out = sft.train(config, workdir)
     print(f"SFT done: step {out['step']}, held-out accuracy {out['accuracy']['accuracy']:.3f}")
   elif config.job == "rl":
     from stepflash_jax.rl import trainer
+
     trainer.run(config, workdir)
   else:
     sys.exit(f"error: config field 'job': unknown job {config.job!r}")

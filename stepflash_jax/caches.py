@@ -1,9 +1,10 @@
 """Where the project caches what it can rebuild: $STEPFLASH_CACHE, default ~/.cache/stepflash_jax.
 
-  tokenizer/   the locally trained SentencePiece models (data/tokenizer.py)
-  xla/         JAX's persistent compilation cache: a rerun (resume, another seed, another RL variant) loads compiled
-               programs instead of compiling them again (~2-3 minutes of a cold main job on a 2-core CPU)
+tokenizer/   the locally trained SentencePiece models (data/tokenizer.py)
+xla/         JAX's persistent compilation cache: a rerun (resume, another seed, another RL variant) loads compiled
+             programs instead of compiling them again (~2-3 minutes of a cold main job on a 2-core CPU)
 """
+
 import os
 
 
@@ -16,6 +17,7 @@ def enable_compile_cache(path: str | None = None) -> str:
   """Turn on JAX's persistent compilation cache at `path` and return it. Default: the cache JAX is already set up
   with (JAX_COMPILATION_CACHE_DIR), else cache_dir("xla")."""
   import jax
+
   if path is None and jax.config.jax_compilation_cache_dir:
     return jax.config.jax_compilation_cache_dir
   path = os.path.expanduser(path or cache_dir("xla"))

@@ -4,15 +4,14 @@ Torch Linear weights are [out, in]; our kernels are [in..., out...] (experts: [E
 of the 1 + w convention on both sides. MTP module k is HF layer `num_layers + k`. Scanned layers are un/stacked.
 `load(save(x))` reproduces x exactly: dtypes are kept as stored (config.param_dtype follows them).
 """
+
 from __future__ import annotations
 
 import json
 import math
 import os
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from safetensors.flax import load_file, save_file
 
 from stepflash_jax import config as config_lib
@@ -20,30 +19,37 @@ from stepflash_jax import model as model_lib
 
 # (our sub-path inside a decoder layer, HF suffix, number of leading batch axes, number of input axes or None=copy)
 _LAYER = [
-    (("params", "input_norm", "scale"), "input_layernorm.weight", 0, None),
-    (("params", "post_attn_norm", "scale"), "post_attention_layernorm.weight", 0, None),
-    (("params", "attn", "q_proj", "kernel"), "self_attn.q_proj.weight", 0, 1),
-    (("params", "attn", "k_proj", "kernel"), "self_attn.k_proj.weight", 0, 1),
-    (("params", "attn", "v_proj", "kernel"), "self_attn.v_proj.weight", 0, 1),
-    (("params", "attn", "g_proj", "kernel"), "self_attn.g_proj.weight", 0, 1),
-    (("params", "attn", "o_proj", "kernel"), "self_attn.o_proj.weight", 0, 2),
-    (("params", "attn", "q_norm", "scale"), "self_attn.q_norm.weight", 0, None),
-    (("params", "attn", "k_norm", "scale"), "self_attn.k_norm.weight", 0, None),
+  (("params", "input_norm", "scale"), "input_layernorm.weight", 0, None),
+  (("params", "post_attn_norm", "scale"), "post_attention_layernorm.weight", 0, None),
+  (("params", "attn", "q_proj", "kernel"), "self_attn.q_proj.weight", 0, 1),
+  (("params", "attn", "k_proj", "kernel"), "self_attn.k_proj.weight", 0, 1),
+  (("params", "attn", "v_proj", "kernel"), "self_attn.v_proj.weight", 0, 1),
+  (("params", "attn", "g_proj", "kernel"), "self_attn.g_proj.weight", 0, 1),
+  (("params", "attn", "o_proj", "kernel"), "self_attn.o_proj.weight", 0, 2),
+  (("params", "attn", "q_norm", "scale"), "self_attn.q_norm.weight", 0, None),
+  (("params", "attn", "k_norm", "scale"), "self_attn.k_norm.weight", 0, None),
 ]
 _DENSE = [((("params", "mlp", p, "kernel")), f"mlp.{p}.weight", 0, 1) for p in ("gate_proj", "up_proj", "down_proj")]
-_MOE = [
+_MOE = (
+  [
     (("params", "moe", "router", "kernel"), "moe.gate.weight", 0, 1),
     (("router", "moe", "router_bias"), "moe.router_bias", 0, None),
-] + [(("params", "moe", p, "kernel"), f"moe.{p}.weight", 1, 1) for p in ("gate_proj", "up_proj", "down_proj")] \
-  + [(("params", "moe", "shared", p, "kernel"), f"share_expert.{p}.weight", 0, 1)
-     for p in ("gate_proj", "up_proj", "down_proj")]
+  ]
+  + [(("params", "moe", p, "kernel"), f"moe.{p}.weight", 1, 1) for p in ("gate_proj", "up_proj", "down_proj")]
+  + [
+    (("params", "moe", "shared", p, "kernel"), f"share_expert.{p}.weight", 0, 1)
+    for p in ("gate_proj", "up_proj", "down_proj")
+  ]
+)
 
 
 def layout(args):
   """[(hf_name, collection, path tuple in that collection, stack index or None, batch axes, input axes)]."""
   out = []
+
   def add(hf, full, stack, nb, nin):
     out.append((hf, full[0], full[1:], stack, nb, nin))
+
   start, period, n = args.scan if args.scan else (len(args.layers), 0, 0)
   for i, spec in enumerate(args.layers):
     if start <= i < start + period * n:
@@ -71,14 +77,14 @@ def _to_hf(x, nb, nin):
   if nin is None:
     return x
   s = x.shape
-  x = x.reshape(s[:nb] + (math.prod(s[nb:nb + nin]), math.prod(s[nb + nin:])))
+  x = x.reshape(s[:nb] + (math.prod(s[nb : nb + nin]), math.prod(s[nb + nin :])))
   return jnp.swapaxes(x, -1, -2)
 
 
 def _hf_shape(shape, nb, nin):
   if nin is None:
     return tuple(shape)
-  return tuple(shape[:nb]) + (math.prod(shape[nb + nin:]), math.prod(shape[nb:nb + nin]))
+  return tuple(shape[:nb]) + (math.prod(shape[nb + nin :]), math.prod(shape[nb : nb + nin]))
 
 
 def _get(tree, path):
@@ -122,11 +128,12 @@ def save_hf_checkpoint(cfg, variables, path: str, max_shard_bytes: int = 4 << 30
       save_file(shard, os.path.join(tmp, fn), metadata={"format": "pt"})
       weight_map.update({k: fn for k in shard})
     with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-      json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}, f,
-                indent=1)
+      json.dump(
+        {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}, f, indent=1
+      )
   with open(os.path.join(tmp, "config.json"), "w") as f:
     json.dump(hf_cfg, f, indent=1)
-  for fn in os.listdir(tmp):        # files land complete: each is renamed into place after being written
+  for fn in os.listdir(tmp):  # files land complete: each is renamed into place after being written
     os.replace(os.path.join(tmp, fn), os.path.join(path, fn))
   os.rmdir(tmp)
 
@@ -162,9 +169,13 @@ def load_hf_checkpoint(path: str, **config_overrides):
   missing = sorted(expected - set(tensors))
   extra = sorted(set(tensors) - expected)
   if missing:
-    raise ValueError(f"{path}: missing tensor '{missing[0]}'" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
+    raise ValueError(
+      f"{path}: missing tensor '{missing[0]}'" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else "")
+    )
   if extra:
-    raise ValueError(f"{path}: unexpected tensor '{extra[0]}'" + (f" (+{len(extra) - 1} more)" if len(extra) > 1 else ""))
+    raise ValueError(
+      f"{path}: unexpected tensor '{extra[0]}'" + (f" (+{len(extra) - 1} more)" if len(extra) > 1 else "")
+    )
   staged = {}
   for hf, col, p, stack, nb, nin in entries:
     leaf = _get(abstract[col], p)

@@ -3,6 +3,7 @@
 Written from STEP35.md §1 with per-token loops and no code shared with the library; tests compare the JAX model
 (loaded through `load_hf_checkpoint`) against it.
 """
+
 import math
 
 import numpy as np
@@ -28,7 +29,8 @@ def _inv_freq(D, partial, theta, scaling):
       out.append(f / scaling["factor"])
     else:
       sm = (scaling["original_max_position_embeddings"] / wl - scaling["low_freq_factor"]) / (
-          scaling["high_freq_factor"] - scaling["low_freq_factor"])
+        scaling["high_freq_factor"] - scaling["low_freq_factor"]
+      )
       out.append((1 - sm) * f / scaling["factor"] + sm * f)
   return np.array(out)
 
@@ -80,8 +82,13 @@ def _layer(W, p, hf, i, x, moe):
   x = x + o.reshape(T, Hq * D) @ W[p + "self_attn.o_proj.weight"].T
   h = _norm(x, W[p + "post_attention_layernorm.weight"], eps)
   if not moe:
-    return x + _swiglu(h, W[p + "mlp.gate_proj.weight"], W[p + "mlp.up_proj.weight"], W[p + "mlp.down_proj.weight"],
-                       hf["swiglu_limits_shared"][i])
+    return x + _swiglu(
+      h,
+      W[p + "mlp.gate_proj.weight"],
+      W[p + "mlp.up_proj.weight"],
+      W[p + "mlp.down_proj.weight"],
+      hf["swiglu_limits_shared"][i],
+    )
   y = np.zeros_like(h)
   K = hf["moe_top_k"]
   for t in range(T):
@@ -89,10 +96,23 @@ def _layer(W, p, hf, i, x, moe):
     chosen = np.argsort(-(s + W[p + "moe.router_bias"]), kind="stable")[:K]
     w = s[chosen] / s[chosen].sum() * hf["moe_router_scaling_factor"]
     for e, we in zip(chosen, w):
-      y[t] += we * _swiglu(h[t:t + 1], W[p + "moe.gate_proj.weight"][e], W[p + "moe.up_proj.weight"][e],
-                           W[p + "moe.down_proj.weight"][e], hf["swiglu_limits"][i])[0]
-  y += _swiglu(h, W[p + "share_expert.gate_proj.weight"], W[p + "share_expert.up_proj.weight"],
-               W[p + "share_expert.down_proj.weight"], hf["swiglu_limits_shared"][i])
+      y[t] += (
+        we
+        * _swiglu(
+          h[t : t + 1],
+          W[p + "moe.gate_proj.weight"][e],
+          W[p + "moe.up_proj.weight"][e],
+          W[p + "moe.down_proj.weight"][e],
+          hf["swiglu_limits"][i],
+        )[0]
+      )
+  y += _swiglu(
+    h,
+    W[p + "share_expert.gate_proj.weight"],
+    W[p + "share_expert.up_proj.weight"],
+    W[p + "share_expert.down_proj.weight"],
+    hf["swiglu_limits_shared"][i],
+  )
   return x + y
 
 
@@ -108,9 +128,11 @@ def forward(W, hf, tokens):
   mtp, h = [], x
   for k in range(hf.get("num_nextn_predict_layers", 0)):
     p = f"model.layers.{L + k}."
-    shifted = np.concatenate([tokens[k + 1:], np.zeros(k + 1, int)])
+    shifted = np.concatenate([tokens[k + 1 :], np.zeros(k + 1, int)])
     e = W["model.embed_tokens.weight"][shifted]
     z = np.concatenate([_norm(e, W[p + "enorm.weight"], eps), _norm(h, W[p + "hnorm.weight"], eps)], -1)
     h = _layer(W, p, hf, L + k, z @ W[p + "eh_proj.weight"].T, False)
-    mtp.append(_norm(h, W[p + "transformer.shared_head.norm.weight"], eps) @ W[p + "transformer.shared_head.output.weight"].T)
+    mtp.append(
+      _norm(h, W[p + "transformer.shared_head.norm.weight"], eps) @ W[p + "transformer.shared_head.output.weight"].T
+    )
   return logits, mtp

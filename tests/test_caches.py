@@ -1,4 +1,5 @@
 """stepflash_jax.caches: where rebuildable things live, and the persistent XLA cache switch."""
+
 import jax
 
 from stepflash_jax import caches
@@ -16,7 +17,7 @@ def test_enable_compile_cache_keeps_a_configured_cache(monkeypatch, tmp_path):
   old = jax.config.jax_compilation_cache_dir
   try:
     jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))
-    assert caches.enable_compile_cache() == str(tmp_path / "mine")           # JAX_COMPILATION_CACHE_DIR wins
+    assert caches.enable_compile_cache() == str(tmp_path / "mine")  # JAX_COMPILATION_CACHE_DIR wins
     assert caches.enable_compile_cache(str(tmp_path / "x")) == str(tmp_path / "x")
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "x") and (tmp_path / "x").is_dir()
     jax.config.update("jax_compilation_cache_dir", None)

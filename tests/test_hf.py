@@ -1,4 +1,5 @@
 """HF-layout checkpoints: exact round trip, errors naming bad tensors, and logits vs an independent NumPy model."""
+
 import json
 import os
 
@@ -16,7 +17,7 @@ def randomized(cfg, seed=0):
   """Random variables with non-zero norm weights and router biases, so every convention is exercised."""
   v = sfj.init(cfg, jax.random.key(seed))
   rs = np.random.RandomState(seed)
-  noisy = lambda x: x.ndim == 1 or x.shape[-1] == cfg.num_experts     # norm weights and router biases
+  noisy = lambda x: x.ndim == 1 or x.shape[-1] == cfg.num_experts  # norm weights and router biases
   return jax.tree.map(lambda x: jnp.asarray(np.asarray(x) + (0.2 * rs.randn(*x.shape) if noisy(x) else 0), x.dtype), v)
 
 
@@ -49,7 +50,7 @@ def test_logits_match_independent_numpy_model(tiny_cfg, ckpt):
   cfg, v = sfj.load_hf_checkpoint(path)
   W = load_file(os.path.join(path, "model.safetensors"))
   hf = json.load(open(os.path.join(path, "config.json")))
-  tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, size=40)   # > window 32: the band matters
+  tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, size=40)  # > window 32: the band matters
   ref, ref_mtp = hf_reference.forward(W, hf, tokens)
   out = jax.jit(lambda v, t: sfj.apply(cfg, v, t, mtp=True))(v, jnp.asarray(tokens)[None])
   np.testing.assert_allclose(out["logits"][0], ref, rtol=2e-4, atol=2e-4)
@@ -90,5 +91,5 @@ def test_hf_config_keys_parse():
   back = sfj.from_hf_config(hf)
   for k in ("num_layers", "num_heads_swa", "moe_layers", "swiglu_limits", "partial_rotary_factors", "rope_theta"):
     assert list(np.atleast_1d(back[k])) == list(np.atleast_1d(c[k])), k
-  hf48 = dict(hf, num_hidden_layers=48)       # some exports count the MTP layers too
+  hf48 = dict(hf, num_hidden_layers=48)  # some exports count the MTP layers too
   assert sfj.from_hf_config(hf48).num_layers == 45

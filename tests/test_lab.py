@@ -3,6 +3,7 @@
 No RL here (the notebooks test runs the small lab end to end): variant lists, the logged mismatch statistics, the
 truncation limit, seed aggregation, the micro model config.
 """
+
 import os
 import sys
 
@@ -27,7 +28,7 @@ def test_configs_validate_and_share_one_batch_shape(configs):
   for c in configs.values():
     validate_run_config(c, num_devices=1)
     n = c.rl.prompts_per_step * c.rl.samples_per_prompt
-    assert c.lab.probe_prompts * c.rl.samples_per_prompt == n == c.eval.batch_size   # one compiled engine
+    assert c.lab.probe_prompts * c.rl.samples_per_prompt == n == c.eval.batch_size  # one compiled engine
   small = configs["small"].model
   validate(small)
   assert small.num_layers == 4 and small.num_mtp_layers == 1 and small.moe_layers == [2, 3]
@@ -41,7 +42,7 @@ def test_variants_full(configs):
   c = configs[""]
   vs = lab.variants(c, trunc_len=31)
   names = [v["name"] for v in vs]
-  assert len(names) == len(set(names)) == 4 * 4 + 2 * 2 + 2 * 3      # + 2 extra seeds x 2 pairs, 2 modes x 3 seeds
+  assert len(names) == len(set(names)) == 4 * 4 + 2 * 2 + 2 * 3  # + 2 extra seeds x 2 pairs, 2 modes x 3 seeds
   by = {v["name"]: v for v in vs}
   assert by["mispo-fp32-s0"]["rl"] == dict(objective="mispo", rollout_dtype="float32")
   assert by["tis-noise-s0"]["rl"] == dict(objective="tis", rollout_dtype="bfloat16", logit_noise=c.lab.noise_scale)
@@ -55,7 +56,7 @@ def test_variants_full(configs):
   assert len(lab.variants(c, None)) == 20
   cfg = lab.variant_config(c, t, "/x/sft")
   assert (cfg.seed, cfg.rl.max_new_tokens, cfg.rl.truncation, cfg.rl.sft_workdir) == (2, 31, "zero", "/x/sft")
-  assert c.rl.max_new_tokens == 64 and c.seed == 0                    # the lab config itself is untouched
+  assert c.rl.max_new_tokens == 64 and c.seed == 0  # the lab config itself is untouched
   bad = c.copy_and_resolve_references()
   with bad.unlocked():
     bad.lab.settings = "bf16,warp"
@@ -65,11 +66,11 @@ def test_variants_full(configs):
 
 def test_truncation_limit():
   lengths = np.array([10, 20, 20, 30, 40, 50, 60, 64, 64, 64])
-  truncated = np.array([0, 0, 0, 0, 0, 0, 0, 0, 0, 1], bool)         # the last one did not end within 64
+  truncated = np.array([0, 0, 0, 0, 0, 0, 0, 0, 0, 1], bool)  # the last one did not end within 64
   # cut fraction at limit n: 0.5 for n in 40..49, 0.4 for 50..59, 0.3 for 60..63, 0.1 at 64; ties -> larger n
   assert lab.truncation_limit(lengths, truncated, 64, 0.25) == (63, 0.3)
   assert lab.truncation_limit(lengths, truncated, 64, 0.42) == (59, 0.4)
-  assert lab.truncation_limit(lengths, truncated, 64, 0.0)[0] == 64   # nothing cut except the truncated one
+  assert lab.truncation_limit(lengths, truncated, 64, 0.0)[0] == 64  # nothing cut except the truncated one
   with pytest.raises(ValueError, match="lengths"):
     lab.truncation_limit(lengths[:3], truncated, 64, 0.2)
 
@@ -95,6 +96,6 @@ def test_group_rows_and_markdown():
   assert len(md) == 6 and "±" in md[2] and "±" not in md[3]
   head = lab_report.headline(groups, None, rows)
   assert len(head) == 2 and head[0].startswith("- bf16") and f"{groups[0]['gn_std']:.3g}" in head[0]
-  assert "per seed" not in head[0]                                    # one common seed only
-  ratios = [rows[4 + s]["gn_std"] / rows[6 + s]["gn_std"] for s in range(2)]   # paired by seed
+  assert "per seed" not in head[0]  # one common seed only
+  ratios = [rows[4 + s]["gn_std"] / rows[6 + s]["gn_std"] for s in range(2)]  # paired by seed
   assert f"per seed MIS-PO/PPO {ratios[0]:.2f}, {ratios[1]:.2f}" in head[1]

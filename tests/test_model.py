@@ -1,4 +1,5 @@
 """Model components against straightforward references, and whole-model properties (scan, packing, grads)."""
+
 import json
 import math
 import os
@@ -21,10 +22,10 @@ import hf_reference
 def test_zero_centred_rms_norm():
   x = np.random.RandomState(0).randn(3, 8).astype(np.float32)
   w = np.random.RandomState(1).randn(8).astype(np.float32)
-  want = x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-5) * (1 + w)
+  want = x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-5) * (1 + w)
   np.testing.assert_allclose(rms_norm(jnp.asarray(x, jnp.bfloat16), w, 1e-5), want, rtol=2e-2, atol=2e-2)
   np.testing.assert_allclose(rms_norm(x, w, 1e-5), want, rtol=1e-5)
-  np.testing.assert_allclose(rms_norm(x, np.zeros(8), 1e-5), want / (1 + w), rtol=1e-5)   # w = 0 is identity scale
+  np.testing.assert_allclose(rms_norm(x, np.zeros(8), 1e-5), want / (1 + w), rtol=1e-5)  # w = 0 is identity scale
   assert rms_norm(jnp.asarray(x, jnp.bfloat16), w, 1e-5).dtype == jnp.float32
 
 
@@ -35,12 +36,12 @@ def test_llama3_scaling_regimes_match_reference():
   assert got.shape == (32,)
   np.testing.assert_allclose(got, want, rtol=1e-12)
   plain = C.rope_inv_freq(128, 0.5, 5e6, None)
-  assert got[0] == plain[0] and math.isclose(got[-1], plain[-1] / 2)       # high freq kept, low freq / factor
+  assert got[0] == plain[0] and math.isclose(got[-1], plain[-1] / 2)  # high freq kept, low freq / factor
   np.testing.assert_allclose(C.rope_inv_freq(128, 1.0, 1e4, None), 1e4 ** -(np.arange(0, 128, 2) / 128))
 
 
 def test_partial_rope_rotates_first_dims_only_and_is_relative():
-  inv = C.rope_inv_freq(16, 0.5, 1e4, None)            # 8 rotated dims
+  inv = C.rope_inv_freq(16, 0.5, 1e4, None)  # 8 rotated dims
   rs = np.random.RandomState(0)
   q, k = rs.randn(1, 1, 1, 16).astype(np.float32), rs.randn(1, 1, 1, 16).astype(np.float32)
   pos = lambda p: jnp.full((1, 1), p, jnp.int32)
@@ -57,7 +58,7 @@ def test_router_bias_changes_selection_not_weights():
   x, wr = rs.randn(5, 16).astype(np.float32), rs.randn(16, 8).astype(np.float32)
   s = 1 / (1 + np.exp(-(x @ wr)))
   bias = np.zeros(8, np.float32)
-  bias[3] = 10.0                                       # expert 3 always selected, but weighted by its raw score
+  bias[3] = 10.0  # expert 3 always selected, but weighted by its raw score
   scores, chosen, w = route(x, wr, bias, 2, 3.0)
   np.testing.assert_allclose(scores, s, rtol=1e-5)
   assert (np.asarray(chosen) == 3).any(-1).all()
@@ -74,7 +75,7 @@ def test_clamped_swiglu():
   silu = g / (1 + np.exp(-g))
   np.testing.assert_allclose(clamped_swiglu(g, u, 7.0), np.minimum(silu, 7) * np.clip(u, -7, 7), rtol=1e-6)
   np.testing.assert_allclose(clamped_swiglu(g, u, 0.0), silu * u, rtol=1e-6)
-  np.testing.assert_allclose(clamped_swiglu(g, u, jnp.float32(0.0)), silu * u, rtol=1e-6)   # traced 0 = no clamp
+  np.testing.assert_allclose(clamped_swiglu(g, u, jnp.float32(0.0)), silu * u, rtol=1e-6)  # traced 0 = no clamp
 
 
 def _gqa_cfg(tiny_cfg, **kw):
@@ -86,15 +87,31 @@ def _gqa_cfg(tiny_cfg, **kw):
 def test_gqa_groups_8_and_12_match_numpy(tmp_path, tiny_cfg):
   """64/96-style head counts: 8 (full) and 12 (SWA) query heads over one KV head, against the NumPy model."""
   L = 3
-  cfg = _gqa_cfg(tiny_cfg, num_layers=L, num_mtp_layers=0, num_heads=8, num_heads_swa=12, num_kv_heads=1,
-                 head_dim=16, hidden_size=64, sliding_window=8, layer_types=["full_attention"] + ["sliding_attention"] * 2,
-                 rope_theta=[5e6, 1e4, 1e4], partial_rotary_factors=[0.5, 1.0, 1.0], moe_layers=[2],
-                 swiglu_limits=[0.0, 0.0, 7.0], swiglu_limits_shared=[0.0, 0.0, 16.0], scan_layers=False)
+  cfg = _gqa_cfg(
+    tiny_cfg,
+    num_layers=L,
+    num_mtp_layers=0,
+    num_heads=8,
+    num_heads_swa=12,
+    num_kv_heads=1,
+    head_dim=16,
+    hidden_size=64,
+    sliding_window=8,
+    layer_types=["full_attention"] + ["sliding_attention"] * 2,
+    rope_theta=[5e6, 1e4, 1e4],
+    partial_rotary_factors=[0.5, 1.0, 1.0],
+    moe_layers=[2],
+    swiglu_limits=[0.0, 0.0, 7.0],
+    swiglu_limits_shared=[0.0, 0.0, 16.0],
+    scan_layers=False,
+  )
   v = sfj.init(cfg, jax.random.key(0))
   v = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(1), x.shape) if x.ndim == 1 else x, v)
   sfj.save_hf_checkpoint(cfg, v, str(tmp_path))
-  W = {k: np.asarray(x) for k, x in __import__("safetensors.numpy", fromlist=["x"]).load_file(
-      str(tmp_path / "model.safetensors")).items()}
+  W = {
+    k: np.asarray(x)
+    for k, x in __import__("safetensors.numpy", fromlist=["x"]).load_file(str(tmp_path / "model.safetensors")).items()
+  }
   hf = json.load(open(tmp_path / "config.json"))
   tokens = np.random.RandomState(1).randint(0, cfg.vocab_size, size=12)
   ref, _ = hf_reference.forward(W, hf, tokens)
@@ -105,7 +122,7 @@ def test_gqa_groups_8_and_12_match_numpy(tmp_path, tiny_cfg):
 def scan_cfg(tiny_cfg):
   c = tiny_cfg.copy_and_resolve_references()
   c.scan_layers = True
-  assert C.model_args(c).scan == (2, 4, 2)        # layers 2..9 as 2 blocks of 4
+  assert C.model_args(c).scan == (2, 4, 2)  # layers 2..9 as 2 blocks of 4
   return c
 
 
@@ -116,12 +133,14 @@ def tiny_vars(scan_cfg):
 
 def test_scan_equals_unrolled_and_attention_impls_agree(scan_cfg, tiny_vars, tmp_path):
   sfj.save_hf_checkpoint(scan_cfg, tiny_vars, str(tmp_path))
-  cfg_u, v_u = sfj.load_hf_checkpoint(str(tmp_path), scan_layers=False, attention_impl="reference",
-                                      moe_impl="reference")
+  cfg_u, v_u = sfj.load_hf_checkpoint(
+    str(tmp_path), scan_layers=False, attention_impl="reference", moe_impl="reference"
+  )
   assert "blocks" not in v_u["params"] and "layer_5" in v_u["params"]
   tokens = jax.random.randint(jax.random.key(1), (2, 48), 0, scan_cfg.vocab_size)
-  np.testing.assert_allclose(sfj.forward(scan_cfg, tiny_vars, tokens), sfj.forward(cfg_u, v_u, tokens),
-                             rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(
+    sfj.forward(scan_cfg, tiny_vars, tokens), sfj.forward(cfg_u, v_u, tokens), rtol=1e-4, atol=1e-4
+  )
 
 
 def test_packed_documents_do_not_interact(scan_cfg, tiny_vars):
@@ -155,7 +174,7 @@ def test_gradients_finite_and_router_bias_untouched(scan_cfg, tiny_vars):
   g = jax.jit(jax.grad(loss))(tiny_vars["params"])
   leaves = jax.tree.leaves(g)
   assert all(bool(jnp.isfinite(x).all()) for x in leaves)
-  assert float(jnp.abs(g["blocks"]["sub_0"]["moe"]["gate_proj"]["kernel"]).sum()) > 0   # experts get gradients
+  assert float(jnp.abs(g["blocks"]["sub_0"]["moe"]["gate_proj"]["kernel"]).sum()) > 0  # experts get gradients
   assert float(jnp.abs(g["mtp_2"]["head"]["kernel"]).sum()) > 0
 
 
@@ -163,7 +182,7 @@ def test_moe_stats_and_bias_collection(scan_cfg, tiny_vars):
   tiny_cfg = scan_cfg
   tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, tiny_cfg.vocab_size)
   _, st = jax.jit(lambda v, t: sfj.apply(tiny_cfg, v, t, stats=True))(tiny_vars, tokens)
-  load = st["blocks"]["sub_0"]["moe"]["load"][0]          # [n_blocks, E]
+  load = st["blocks"]["sub_0"]["moe"]["load"][0]  # [n_blocks, E]
   assert load.shape == (2, tiny_cfg.num_experts)
   np.testing.assert_allclose(load.sum(-1), 2 * 16 * tiny_cfg.num_experts_per_tok)
   conf = st["blocks"]["sub_0"]["moe"]["confidence"][0]
@@ -173,6 +192,7 @@ def test_moe_stats_and_bias_collection(scan_cfg, tiny_vars):
 
 def test_count_params_full_model():
   from experiments.count_params import count
+
   c = count(sfj.model_config())
   assert abs(c["total"] / 195.9e9 - 1) < 0.005
   assert abs(c["total_with_embeddings"] / 196.96e9 - 1) < 0.005
@@ -195,21 +215,26 @@ def test_config_validation_names_the_field(tiny_cfg):
 def test_muon_assignment_pinned_for_tiny_and_full():
   """Which parameter Muon / AdamW optimise, from abstract shapes of the real model trees (no weights)."""
   from stepflash_jax.optim import assignment_summary
+
   full = assignment_summary(M.abstract_variables(sfj.model_config())["params"])
   assert full["blocks/sub_0/moe/gate_proj/kernel"] == "muon batch=(10, 288) matrix=(4096, 1280)"
   assert full["blocks/sub_0/moe/down_proj/kernel"] == "muon batch=(10, 288) matrix=(1280, 4096)"
   assert full["blocks/sub_0/moe/router/kernel"] == "muon batch=(10,) matrix=(4096, 288)"
-  assert full["blocks/sub_1/attn/q_proj/kernel"] == "muon batch=(10,) matrix=(4096, 8192)"      # layer 4: full, 64 heads
-  assert full["blocks/sub_0/attn/q_proj/kernel"] == "muon batch=(10,) matrix=(4096, 12288)"     # SWA, 96 heads
+  assert full["blocks/sub_1/attn/q_proj/kernel"] == "muon batch=(10,) matrix=(4096, 8192)"  # layer 4: full, 64 heads
+  assert full["blocks/sub_0/attn/q_proj/kernel"] == "muon batch=(10,) matrix=(4096, 12288)"  # SWA, 96 heads
   assert full["blocks/sub_0/attn/o_proj/kernel"] == "muon batch=(10,) matrix=(12288, 4096)"
   assert full["layer_0/mlp/gate_proj/kernel"] == "muon batch=() matrix=(4096, 11264)"
   assert full["mtp_0/eh_proj/kernel"] == "muon batch=() matrix=(8192, 4096)"
   adamw = sorted(k for k, v in full.items() if v.startswith("adamw"))
   assert {"embed/embedding", "lm_head/kernel", "mtp_0/head/kernel", "mtp_2/head/kernel"} <= set(adamw)
-  assert all(k.endswith("scale") or k in ("embed/embedding", "lm_head/kernel") or k.endswith("head/kernel")
-             for k in adamw)
-  tiny = assignment_summary(M.abstract_variables(C.load_config_file(
-      os.path.join(os.path.dirname(__file__), "..", "configs", "model", "tiny.py")))["params"])
+  assert all(
+    k.endswith("scale") or k in ("embed/embedding", "lm_head/kernel") or k.endswith("head/kernel") for k in adamw
+  )
+  tiny = assignment_summary(
+    M.abstract_variables(
+      C.load_config_file(os.path.join(os.path.dirname(__file__), "..", "configs", "model", "tiny.py"))
+    )["params"]
+  )
   assert tiny["layer_2/moe/up_proj/kernel"] == "muon batch=(8,) matrix=(128, 64)"
   assert tiny["layer_4/attn/k_proj/kernel"] == "muon batch=() matrix=(128, 64)"
   assert tiny["layer_9/moe/shared/down_proj/kernel"] == "muon batch=() matrix=(64, 128)"

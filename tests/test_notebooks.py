@@ -6,6 +6,7 @@ the lab run of notebook 02), and a per-cell timeout. Besides "no error", one che
 They also must be stored without outputs (valid nbformat 4). Measured on 2 idle cores with cold caches: 01 40 s,
 02 100 s, 03 20 s, 04 80 s (it runs the truncation variants; 100 s alone): ~4 min for this file.
 """
+
 import json
 import os
 import sys
@@ -30,9 +31,15 @@ def nb_env(tmp_path_factory):
   jp = tmp_path_factory.mktemp("jupyter")
   spec = jp / "kernels" / KERNEL
   spec.mkdir(parents=True)
-  (spec / "kernel.json").write_text(json.dumps({
-      "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-      "display_name": "stepflash_jax tests", "language": "python"}))
+  (spec / "kernel.json").write_text(
+    json.dumps(
+      {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "stepflash_jax tests",
+        "language": "python",
+      }
+    )
+  )
   work = tmp_path_factory.mktemp("notebooks")
   mp = pytest.MonkeyPatch()
   mp.setenv("JUPYTER_PATH", str(jp))
@@ -72,20 +79,21 @@ def test_stored_without_outputs(name):
 
 
 EXPECT = {  # notebook -> (strings its outputs must contain, minimum number of images)
-    "01_quickstart.ipynb": (["held-out accuracy", "routing confidence", "MIS-PO loss", "traj_keep_frac"], 0),
-    "02_mismatch_lab.ipynb": (["| variant", "mispo/bf16", "ppo/bf16", "actor grad-norm std MIS-PO"], 5),
-    "03_kernels.ipynb": (["sliding_window_attention", "grouped_matmul", "interpret mode"], 1),
-    "04_truncation_and_routing.ipynb": (["trunc-bootstrap", "trunc-zero", "Sigma_k", "measured_rate"], 3),
+  "01_quickstart.ipynb": (["held-out accuracy", "routing confidence", "MIS-PO loss", "traj_keep_frac"], 0),
+  "02_mismatch_lab.ipynb": (["| variant", "mispo/bf16", "ppo/bf16", "actor grad-norm std MIS-PO"], 5),
+  "03_kernels.ipynb": (["sliding_window_attention", "grouped_matmul", "interpret mode"], 1),
+  "04_truncation_and_routing.ipynb": (["trunc-bootstrap", "trunc-zero", "Sigma_k", "measured_rate"], 3),
 }
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs(nb_env, name):
   nb = nbformat.read(os.path.join(COLAB, name), as_version=4)
-  client = nbclient.NotebookClient(nb, kernel_name=KERNEL, timeout=CELL_TIMEOUT, allow_errors=False,
-                                   resources={"metadata": {"path": ROOT}})
+  client = nbclient.NotebookClient(
+    nb, kernel_name=KERNEL, timeout=CELL_TIMEOUT, allow_errors=False, resources={"metadata": {"path": ROOT}}
+  )
   t0 = time.time()
-  client.execute()       # raises CellExecutionError (with the traceback) on the first failing cell
+  client.execute()  # raises CellExecutionError (with the traceback) on the first failing cell
   text = _text(nb)
   own = [line for line in text.splitlines() if "notebook time:" in line]
   print(f"{name}: {time.time() - t0:.0f}s ({own[-1].strip() if own else 'no timing line'})")

@@ -1,4 +1,5 @@
 """ops.grouped_matmul: reference vs a NumPy loop, tiled "xla" vs reference (fwd + dlhs/drhs)."""
+
 import importlib
 
 import jax
@@ -7,127 +8,134 @@ import numpy as np
 import pytest
 
 from stepflash_jax import ops
+
 gmm_mod = importlib.import_module("stepflash_jax.ops.grouped_matmul")  # ops.grouped_matmul is the function
 gmm = jax.jit(ops.grouped_matmul, static_argnames=("implementation", "tile_m"))
 
 
 def _data(m, k, n, sizes, seed=0, dtype=jnp.float32):
-    r = np.random.default_rng(seed)
-    lhs = jnp.asarray(r.standard_normal((m, k)), dtype)
-    rhs = jnp.asarray(r.standard_normal((len(sizes), k, n)), dtype)
-    return lhs, rhs, jnp.asarray(sizes, jnp.int32)
+  r = np.random.default_rng(seed)
+  lhs = jnp.asarray(r.standard_normal((m, k)), dtype)
+  rhs = jnp.asarray(r.standard_normal((len(sizes), k, n)), dtype)
+  return lhs, rhs, jnp.asarray(sizes, jnp.int32)
 
 
 def _numpy_gmm(lhs, rhs, sizes):
-    lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
-    out = np.zeros((lhs.shape[0], rhs.shape[2]))
-    start = 0
-    for g, s in enumerate(sizes):
-        for r in range(start, start + s):
-            out[r] = lhs[r] @ rhs[g]
-        start += s
-    return out
+  lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+  out = np.zeros((lhs.shape[0], rhs.shape[2]))
+  start = 0
+  for g, s in enumerate(sizes):
+    for r in range(start, start + s):
+      out[r] = lhs[r] @ rhs[g]
+    start += s
+  return out
 
 
 def test_reference_matches_numpy_loop():
-    sizes = [3, 0, 5, 1, 0]
-    lhs, rhs, gs = _data(12, 4, 3, sizes, seed=1)  # 9 of 12 rows used
-    got = gmm(lhs, rhs, gs, implementation="reference")
-    np.testing.assert_allclose(np.asarray(got), _numpy_gmm(lhs, rhs, sizes), rtol=1e-5, atol=1e-5)
-    assert np.all(np.asarray(got[9:]) == 0)
+  sizes = [3, 0, 5, 1, 0]
+  lhs, rhs, gs = _data(12, 4, 3, sizes, seed=1)  # 9 of 12 rows used
+  got = gmm(lhs, rhs, gs, implementation="reference")
+  np.testing.assert_allclose(np.asarray(got), _numpy_gmm(lhs, rhs, sizes), rtol=1e-5, atol=1e-5)
+  assert np.all(np.asarray(got[9:]) == 0)
 
 
 # (M, K, N, group sizes, tile_m)
 CASES = [
-    (40, 8, 6, [5, 0, 13, 2, 0, 20], 8),       # empty groups, groups straddling tiles, sum == M
-    (40, 8, 6, [0, 7, 9, 0, 3, 0], 8),         # sum < M (21 of 40), leading/trailing empty groups
-    (37, 5, 7, [37], 4),                       # one group, M not a multiple of tm
-    (37, 5, 7, [1] * 10 + [0, 20], 16),        # many tiny groups inside one tile (W = tiles + G - 1 is tight)
-    (30, 6, 4, [0, 0, 0], 8),                  # everything empty -> all zeros
-    (50, 6, 4, [9, 11, 0, 25], None),          # default tile_m
-    (20, 6, 4, [4, 6, 10], 1),                 # tm = 1
-    (20, 6, 4, [4, 6, 3], 64),                 # tm > M
+  (40, 8, 6, [5, 0, 13, 2, 0, 20], 8),  # empty groups, groups straddling tiles, sum == M
+  (40, 8, 6, [0, 7, 9, 0, 3, 0], 8),  # sum < M (21 of 40), leading/trailing empty groups
+  (37, 5, 7, [37], 4),  # one group, M not a multiple of tm
+  (37, 5, 7, [1] * 10 + [0, 20], 16),  # many tiny groups inside one tile (W = tiles + G - 1 is tight)
+  (30, 6, 4, [0, 0, 0], 8),  # everything empty -> all zeros
+  (50, 6, 4, [9, 11, 0, 25], None),  # default tile_m
+  (20, 6, 4, [4, 6, 10], 1),  # tm = 1
+  (20, 6, 4, [4, 6, 3], 64),  # tm > M
 ]
 
 
 @pytest.mark.parametrize("m,k,n,sizes,tm", CASES)
 def test_xla_matches_reference_fwd_and_grads(m, k, n, sizes, tm):
-    lhs, rhs, gs = _data(m, k, n, sizes, seed=m + len(sizes))
-    ct = jnp.asarray(np.random.default_rng(5).standard_normal((m, n)), jnp.float32)
+  lhs, rhs, gs = _data(m, k, n, sizes, seed=m + len(sizes))
+  ct = jnp.asarray(np.random.default_rng(5).standard_normal((m, n)), jnp.float32)
 
-    def run(impl):
-        def f(lhs, rhs):
-            out = ops.grouped_matmul(lhs, rhs, gs, implementation=impl, **({"tile_m": tm} if impl == "xla" else {}))
-            return jnp.sum(out * ct), out
-        return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(lhs, rhs)
+  def run(impl):
+    def f(lhs, rhs):
+      out = ops.grouped_matmul(lhs, rhs, gs, implementation=impl, **({"tile_m": tm} if impl == "xla" else {}))
+      return jnp.sum(out * ct), out
 
-    (_, out_ref), (dl_ref, dr_ref) = run("reference")
-    (_, out_xla), (dl_xla, dr_xla) = run("xla")
-    np.testing.assert_allclose(np.asarray(out_ref), _numpy_gmm(lhs, rhs, sizes), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(out_xla), np.asarray(out_ref), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(dl_xla), np.asarray(dl_ref), rtol=1e-5, atol=1e-5, err_msg="dlhs")
-    np.testing.assert_allclose(np.asarray(dr_xla), np.asarray(dr_ref), rtol=1e-5, atol=1e-5, err_msg="drhs")
-    used = sum(sizes)
-    assert np.all(np.asarray(out_xla[used:]) == 0) and np.all(np.asarray(dl_xla[used:]) == 0)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(lhs, rhs)
+
+  (_, out_ref), (dl_ref, dr_ref) = run("reference")
+  (_, out_xla), (dl_xla, dr_xla) = run("xla")
+  np.testing.assert_allclose(np.asarray(out_ref), _numpy_gmm(lhs, rhs, sizes), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(out_xla), np.asarray(out_ref), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(dl_xla), np.asarray(dl_ref), rtol=1e-5, atol=1e-5, err_msg="dlhs")
+  np.testing.assert_allclose(np.asarray(dr_xla), np.asarray(dr_ref), rtol=1e-5, atol=1e-5, err_msg="drhs")
+  used = sum(sizes)
+  assert np.all(np.asarray(out_xla[used:]) == 0) and np.all(np.asarray(dl_xla[used:]) == 0)
 
 
 def test_rows_past_the_sum_are_zero_even_if_garbage():
-    lhs, rhs, gs = _data(24, 4, 3, [5, 0, 6], seed=2)
-    lhs = lhs.at[11:].set(jnp.nan)  # padding rows from a token-dropping sort may hold anything
-    f = jax.jit(lambda r: ops.grouped_matmul(lhs, r, gs, implementation="xla", tile_m=8))
-    out, grad_rhs = jax.jit(jax.value_and_grad(lambda r: f(r).sum()))(rhs)
-    full = f(rhs)
-    assert np.all(np.asarray(full[11:]) == 0) and np.isfinite(float(out))
-    assert bool(jnp.all(jnp.isfinite(grad_rhs)))
-    np.testing.assert_allclose(np.asarray(full[:11]), _numpy_gmm(lhs[:11], rhs, [5, 0, 6]), rtol=1e-5, atol=1e-5)
+  lhs, rhs, gs = _data(24, 4, 3, [5, 0, 6], seed=2)
+  lhs = lhs.at[11:].set(jnp.nan)  # padding rows from a token-dropping sort may hold anything
+  f = jax.jit(lambda r: ops.grouped_matmul(lhs, r, gs, implementation="xla", tile_m=8))
+  out, grad_rhs = jax.jit(jax.value_and_grad(lambda r: f(r).sum()))(rhs)
+  full = f(rhs)
+  assert np.all(np.asarray(full[11:]) == 0) and np.isfinite(float(out))
+  assert bool(jnp.all(jnp.isfinite(grad_rhs)))
+  np.testing.assert_allclose(np.asarray(full[:11]), _numpy_gmm(lhs[:11], rhs, [5, 0, 6]), rtol=1e-5, atol=1e-5)
 
 
 def test_group_sizes_traced_under_jit_and_default_is_xla():
-    lhs, rhs, _ = _data(32, 4, 5, [0] * 4, seed=3)
-    f = jax.jit(lambda gs: ops.grouped_matmul(lhs, rhs, gs))  # one compilation, different group sizes
-    for sizes in ([8, 8, 8, 8], [0, 0, 30, 2], [1, 2, 3, 4]):
-        np.testing.assert_allclose(np.asarray(f(jnp.asarray(sizes, jnp.int32))), _numpy_gmm(lhs, rhs, sizes),
-                                   rtol=1e-5, atol=1e-5)
+  lhs, rhs, _ = _data(32, 4, 5, [0] * 4, seed=3)
+  f = jax.jit(lambda gs: ops.grouped_matmul(lhs, rhs, gs))  # one compilation, different group sizes
+  for sizes in ([8, 8, 8, 8], [0, 0, 30, 2], [1, 2, 3, 4]):
+    np.testing.assert_allclose(
+      np.asarray(f(jnp.asarray(sizes, jnp.int32))), _numpy_gmm(lhs, rhs, sizes), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_bf16_inputs():
-    lhs, rhs, gs = _data(48, 32, 16, [10, 0, 17, 15], seed=4, dtype=jnp.bfloat16)
-    out = gmm(lhs, rhs, gs, implementation="xla", tile_m=16)
-    assert out.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(out, np.float32), _numpy_gmm(lhs.astype(jnp.float32),
-                               rhs.astype(jnp.float32), [10, 0, 17, 15]), rtol=2e-2, atol=5e-2)
-    dl, dr = jax.jit(jax.grad(lambda a, b: gmm(a, b, gs).astype(jnp.float32).sum(), argnums=(0, 1)))(lhs, rhs)
-    assert dl.dtype == dr.dtype == jnp.bfloat16
+  lhs, rhs, gs = _data(48, 32, 16, [10, 0, 17, 15], seed=4, dtype=jnp.bfloat16)
+  out = gmm(lhs, rhs, gs, implementation="xla", tile_m=16)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_allclose(
+    np.asarray(out, np.float32),
+    _numpy_gmm(lhs.astype(jnp.float32), rhs.astype(jnp.float32), [10, 0, 17, 15]),
+    rtol=2e-2,
+    atol=5e-2,
+  )
+  dl, dr = jax.jit(jax.grad(lambda a, b: gmm(a, b, gs).astype(jnp.float32).sum(), argnums=(0, 1)))(lhs, rhs)
+  assert dl.dtype == dr.dtype == jnp.bfloat16
 
 
 def test_work_item_count_bound():
-    # num_tiles + G - 1 items must cover every (tile, group) pair: worst case, every group boundary mid-tile.
-    m, tm = 64, 8
-    sizes = [3, 5] * 8  # boundaries at 3, 8, 11, 16, ...: every tile is shared by two groups
-    lhs, rhs, gs = _data(m, 3, 2, sizes, seed=6)
-    got = jax.jit(gmm_mod.tiled_grouped_matmul, static_argnames="tile_m")(lhs, rhs, gs, tile_m=tm)
-    np.testing.assert_allclose(np.asarray(got), _numpy_gmm(lhs, rhs, sizes), rtol=1e-5, atol=1e-5)
+  # num_tiles + G - 1 items must cover every (tile, group) pair: worst case, every group boundary mid-tile.
+  m, tm = 64, 8
+  sizes = [3, 5] * 8  # boundaries at 3, 8, 11, 16, ...: every tile is shared by two groups
+  lhs, rhs, gs = _data(m, 3, 2, sizes, seed=6)
+  got = jax.jit(gmm_mod.tiled_grouped_matmul, static_argnames="tile_m")(lhs, rhs, gs, tile_m=tm)
+  np.testing.assert_allclose(np.asarray(got), _numpy_gmm(lhs, rhs, sizes), rtol=1e-5, atol=1e-5)
 
 
 def test_bad_inputs_raise_value_error():
-    lhs, rhs, gs = _data(16, 4, 3, [8, 8])
-    f = ops.grouped_matmul
-    with pytest.raises(ValueError, match="lhs"):
-        f(lhs[0], rhs, gs)
-    with pytest.raises(ValueError, match="rhs"):
-        f(lhs, rhs[0], gs)
-    with pytest.raises(ValueError, match="K"):
-        f(lhs[:, :3], rhs, gs)
-    with pytest.raises(ValueError, match="group_sizes"):
-        f(lhs, rhs, gs[:1])
-    with pytest.raises(ValueError, match="group_sizes"):
-        f(lhs, rhs, gs.astype(jnp.float32))
-    with pytest.raises(ValueError, match="implementation"):
-        f(lhs, rhs, gs, implementation="triton")
+  lhs, rhs, gs = _data(16, 4, 3, [8, 8])
+  f = ops.grouped_matmul
+  with pytest.raises(ValueError, match="lhs"):
+    f(lhs[0], rhs, gs)
+  with pytest.raises(ValueError, match="rhs"):
+    f(lhs, rhs[0], gs)
+  with pytest.raises(ValueError, match="K"):
+    f(lhs[:, :3], rhs, gs)
+  with pytest.raises(ValueError, match="group_sizes"):
+    f(lhs, rhs, gs[:1])
+  with pytest.raises(ValueError, match="group_sizes"):
+    f(lhs, rhs, gs.astype(jnp.float32))
+  with pytest.raises(ValueError, match="implementation"):
+    f(lhs, rhs, gs, implementation="triton")
 
 
 def test_pallas_dispatch_matches_reference():
-    pytest.importorskip("pallas_kernels.grouped_matmul")
-    lhs, rhs, gs = _data(256, 128, 128, [100, 0, 120, 20], seed=8)
-    got = gmm(lhs, rhs, gs, implementation="pallas")
-    np.testing.assert_allclose(np.asarray(got), _numpy_gmm(lhs, rhs, [100, 0, 120, 20]), rtol=2e-3, atol=2e-2)
+  pytest.importorskip("pallas_kernels.grouped_matmul")
+  lhs, rhs, gs = _data(256, 128, 128, [100, 0, 120, 20], seed=8)
+  got = gmm(lhs, rhs, gs, implementation="pallas")
+  np.testing.assert_allclose(np.asarray(got), _numpy_gmm(lhs, rhs, [100, 0, 120, 20]), rtol=2e-3, atol=2e-2)

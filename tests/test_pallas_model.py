@@ -1,4 +1,5 @@
 """The tiny model trains with the Pallas kernels (interpret mode on CPU) and matches the XLA path."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,10 +13,15 @@ def test_sft_step_loss_and_grads_pallas_equal_xla(tiny_cfg):
   rs = np.random.RandomState(0)
   B, T = 1, 40
   tokens = jnp.asarray(rs.randint(1, tiny_cfg.vocab_size, (B, T)), jnp.int32)
-  seg = jnp.asarray(np.r_[np.ones(25), 2 * np.ones(15)][None], jnp.int32)          # two packed documents
+  seg = jnp.asarray(np.r_[np.ones(25), 2 * np.ones(15)][None], jnp.int32)  # two packed documents
   pos = jnp.asarray(np.r_[np.arange(25), np.arange(15)][None], jnp.int32)
-  batch = {"tokens": tokens, "targets": jnp.roll(tokens, -1, 1), "loss_mask": jnp.ones((B, T)),
-           "segment_ids": seg, "positions": pos}
+  batch = {
+    "tokens": tokens,
+    "targets": jnp.roll(tokens, -1, 1),
+    "loss_mask": jnp.ones((B, T)),
+    "segment_ids": seg,
+    "positions": pos,
+  }
   v = sfj.init(tiny_cfg, jax.random.key(0))
   out = {}
   for impl in ("xla", "pallas"):

@@ -22,8 +22,11 @@ def _doc(ids, mask):
 
 def test_packing_hand_checked():
   # documents of 4, 3, 5 tokens (3, 2, 4 after the shift), rows of 5, 2 bins, first fit, no shuffling
-  docs = [_doc([11, 12, 13, 14], [0, 0, 1, 1]), _doc([21, 22, 23], [0, 1, 1]),
-          _doc([31, 32, 33, 34, 35], [0, 0, 0, 1, 1])]
+  docs = [
+    _doc([11, 12, 13, 14], [0, 0, 1, 1]),
+    _doc([21, 22, 23], [0, 1, 1]),
+    _doc([31, 32, 33, 34, 35], [0, 0, 0, 1, 1]),
+  ]
   ds = grain.MapDataset.source(docs).to_iter_dataset()
   batch = next(iter(pipeline.pack_and_batch(ds, batch_size=2, seq_len=5, num_packing_bins=2, shuffle_bins=False)))
   np.testing.assert_array_equal(batch["tokens"], [[11, 12, 13, 21, 22], [31, 32, 33, 34, 0]])
@@ -31,9 +34,13 @@ def test_packing_hand_checked():
   np.testing.assert_array_equal(batch["loss_mask"], [[0, 1, 1, 1, 1], [0, 0, 1, 1, 0]])
   np.testing.assert_array_equal(batch["segment_ids"], [[1, 1, 1, 2, 2], [1, 1, 1, 1, 0]])
   np.testing.assert_array_equal(batch["positions"], [[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]])
-  assert {k: v.dtype for k, v in batch.items()} == {"tokens": np.int32, "targets": np.int32,
-                                                     "loss_mask": np.float32, "segment_ids": np.int32,
-                                                     "positions": np.int32}
+  assert {k: v.dtype for k, v in batch.items()} == {
+    "tokens": np.int32,
+    "targets": np.int32,
+    "loss_mask": np.float32,
+    "segment_ids": np.int32,
+    "positions": np.int32,
+  }
 
 
 def _segments(batch):
@@ -72,6 +79,7 @@ def test_sft_batches_are_the_examples_and_never_cross_documents(tok):
 def test_sft_fill_and_shuffle_by_seed(tok):
   def first(seed):
     return next(iter(pipeline.sft_dataset(tok, batch_size=8, seq_len=128, seed=seed)))
+
   a, b, c = first(0), first(0), first(1)
   for k in a:
     np.testing.assert_array_equal(a[k], b[k])
@@ -98,6 +106,7 @@ def test_iterator_state_restore(tok, kind):
     if kind == "sft":
       return pipeline.sft_dataset(tok, batch_size=4, seq_len=64, seed=2, num_packing_bins=6)
     return pipeline.prompt_dataset(tok, batch_size=4, seed=2)
+
   it = iter(make())
   for _ in range(3):
     next(it)
@@ -111,8 +120,7 @@ def test_iterator_state_restore(tok, kind):
 
 @pytest.mark.parametrize("pad_side", ["left", "right"])
 def test_prompt_batches(tok, pad_side):
-  it = iter(pipeline.prompt_dataset(tok, batch_size=5, max_prompt_len=24, seed=1, pad_side=pad_side,
-                                    split="test"))
+  it = iter(pipeline.prompt_dataset(tok, batch_size=5, max_prompt_len=24, seed=1, pad_side=pad_side, split="test"))
   b = next(it)
   assert b["tokens"].shape == (5, 24) and b["lengths"].shape == (5,) and len(b["examples"]) == 5
   for i, ex in enumerate(b["examples"]):
@@ -163,6 +171,7 @@ def test_future_targets_match_loop():
         assert out_t[b, t] == (tgt[b, t + k] if ok else 0)
         assert out_m[b, t] == (mask[b, t + k] if ok else 0)
   import jax.numpy as jnp
+
   jt, jm = pipeline.future_targets(jnp.asarray(tgt), jnp.asarray(mask), jnp.asarray(seg), 2)
   nt, nm = pipeline.future_targets(tgt, mask, seg, 2)
   np.testing.assert_array_equal(np.asarray(jt), nt)

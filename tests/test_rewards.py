@@ -8,8 +8,12 @@ from stepflash_jax.rl import rewards
 
 
 def _examples():
-  return [tasks.generate("arithmetic", 0, 3, variant="+"), tasks.generate("arithmetic", 1, 2, variant="*"),
-          tasks.generate("countdown", 2, 3), tasks.generate("countdown", 3, 4)]
+  return [
+    tasks.generate("arithmetic", 0, 3, variant="+"),
+    tasks.generate("arithmetic", 1, 2, variant="*"),
+    tasks.generate("countdown", 2, 3),
+    tasks.generate("countdown", 3, 4),
+  ]
 
 
 def test_rule_reward_every_family():
@@ -46,6 +50,7 @@ def test_score_batch_reports_truncation():
   def spy(prompt, completion, **meta):
     seen.append(meta["truncated"])
     return 0.5
+
   out = rewards.score_batch(spy, exs, comps, truncated=np.array([0, 1, 0, 1]))
   assert seen == [False, True, False, True] and np.all(out["reward"] == 0.5)
   assert rewards.score_batch("rule", exs, comps)["truncated"].sum() == 0

@@ -3,6 +3,7 @@
 All engines use the tiny config, fp32 unless stated, batch 8, and FAST_COMPILE; compiled programs are shared through
 module fixtures (sampling knobs and eos/pad ids are traced inputs, so one program serves several engines).
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,15 +14,22 @@ from stepflash_jax.model.cache import init_cache
 from stepflash_jax.rl import rollout as R
 from stepflash_jax.rl.rollout import FAST_COMPILE, RolloutEngine, sampling_logprobs
 
-B, P, N, T_FWD = 8, 12, 40, 64          # P + N = 52 > window 32: the sliding-window ring buffers wrap
+B, P, N, T_FWD = 8, 12, 40, 64  # P + N = 52 > window 32: the sliding-window ring buffers wrap
 LENS = np.array([12, 5, 9, 1, 7, 3, 12, 10], np.int32)
 EOS, PAD = 1, 0
-CHI2_9DOF_P001 = 27.88                  # scipy.stats.chi2.ppf(0.999, 9)
+CHI2_9DOF_P001 = 27.88  # scipy.stats.chi2.ppf(0.999, 9)
 
 
 def engine(cfg, **kw):
-  kw = {"max_prompt_len": P, "max_new_tokens": N, "eos_id": EOS, "pad_id": PAD, "dtype": "float32",
-        "compiler_options": FAST_COMPILE, **kw}
+  kw = {
+    "max_prompt_len": P,
+    "max_new_tokens": N,
+    "eos_id": EOS,
+    "pad_id": PAD,
+    "dtype": "float32",
+    "compiler_options": FAST_COMPILE,
+    **kw,
+  }
   return RolloutEngine(cfg, **kw)
 
 
@@ -44,7 +52,11 @@ def restricted(variables, tiny_cfg):
   params = dict(variables["params"])
   params["lm_head"] = {"kernel": jnp.asarray(W)}
   for k in range(tiny_cfg.num_mtp_layers):
-    params[f"mtp_{k}"] = {**params[f"mtp_{k}"], "head": {"kernel": jnp.asarray(W)}, "eh_proj": {"kernel": jnp.asarray(eh)}}
+    params[f"mtp_{k}"] = {
+      **params[f"mtp_{k}"],
+      "head": {"kernel": jnp.asarray(W)},
+      "eh_proj": {"kernel": jnp.asarray(eh)},
+    }
   return {"params": params, "router": variables["router"]}
 
 
@@ -53,7 +65,7 @@ def prompts():
   rs = np.random.RandomState(1)
   p = np.full((B, P), PAD, np.int32)
   for b, n in enumerate(LENS):
-    p[b, P - n:] = rs.randint(20, 512, n)
+    p[b, P - n :] = rs.randint(20, 512, n)
   return p
 
 
@@ -61,21 +73,25 @@ def prompts():
 def forward_mtp(tiny_cfg):
   """Training forward (fp32, no cache) [B, T_FWD] -> (log-softmax [B, T_FWD, V], MTP logits [K, B, T_FWD, V],
   backbone hidden [B, T_FWD, H])."""
+
   def fn(v, t):
     out = sfj.apply(tiny_cfg, v, t, mtp=True)
     return jax.nn.log_softmax(out["logits"], -1), jnp.stack(out["mtp_logits"]), out["hidden"]
+
   return jax.jit(fn, compiler_options=FAST_COMPILE)
 
 
 @pytest.fixture(scope="module")
 def forward(forward_mtp):
   """Log-softmax [B, T_FWD, V] of the training forward on each row's unpadded prompt + response."""
+
   def run(v, prompts, lens, response):
     seqs = np.zeros((B, T_FWD), np.int32)
     for b in range(B):
-      s = np.concatenate([prompts[b, prompts.shape[1] - lens[b]:], response[b]])[:T_FWD]
-      seqs[b, :len(s)] = s
+      s = np.concatenate([prompts[b, prompts.shape[1] - lens[b] :], response[b]])[:T_FWD]
+      seqs[b, : len(s)] = s
     return np.asarray(forward_mtp(v, jnp.asarray(seqs))[0])
+
   return run
 
 
@@ -83,7 +99,7 @@ def response_logp(lp_fwd, lens, response):
   """Forward log-prob of response[b, t] (predicted at position lens[b] - 1 + t) -> [B, N]."""
   n = response.shape[1]
   idx = lens[:, None] - 1 + np.arange(n)[None]
-  rows = np.take_along_axis(lp_fwd, idx[..., None], 1)                      # [B, N, V]
+  rows = np.take_along_axis(lp_fwd, idx[..., None], 1)  # [B, N, V]
   return np.take_along_axis(rows, response[..., None], 2)[..., 0]
 
 
@@ -99,14 +115,16 @@ def _teacher_forced(eng, variables, prompts, resp, width, length=P + N + 8):
   p = np.concatenate([np.full((B, width - P), PAD, np.int32), prompts], 1)
   col = np.arange(width)[None]
   seg = (col >= pads[:, None]).astype(np.int32)
-  logits, _, cache, _, _ = eng.model_call(variables, p, np.maximum(col - pads[:, None], 0), seg,
-                                          eng.init_cache(B, length), 0)
+  logits, _, cache, _, _ = eng.model_call(
+    variables, p, np.maximum(col - pads[:, None], 0), seg, eng.init_cache(B, length), 0
+  )
   got, conf, ntok = [jax.nn.log_softmax(logits[:, -1])], {}, 0.0
   for i in range(1, N):
-    logits, _, cache, c, n = eng.model_call(variables, resp[:, i - 1:i], (LENS + i - 1)[:, None],
-                                            np.ones((B, 1), np.int32), cache, width + i - 1)
+    logits, _, cache, c, n = eng.model_call(
+      variables, resp[:, i - 1 : i], (LENS + i - 1)[:, None], np.ones((B, 1), np.int32), cache, width + i - 1
+    )
     got.append(jax.nn.log_softmax(logits[:, 0]))
-    conf = {k: conf.get(k, 0.0) + float(x) * float(n) for k, x in c.items()}     # per MoE layer
+    conf = {k: conf.get(k, 0.0) + float(x) * float(n) for k, x in c.items()}  # per MoE layer
     ntok += float(n)
   return np.stack(jax.device_get(got), 1), {k: x / ntok for k, x in conf.items()}
 
@@ -120,12 +138,12 @@ def test_cached_decode_matches_full_forward(tiny_cfg, variables, prompts, plain_
   """Prefill + one-token cached steps (per-row positions, left padding, ring buffers wrapping) reproduce the
   uncached forward's logits at every position; the loop's routing confidence is the token-weighted step mean."""
   resp = plain_out["response"]
-  assert plain_out["response_mask"].all()                 # no EOS in this run: every row feeds N - 1 tokens
+  assert plain_out["response_mask"].all()  # no EOS in this run: every row feeds N - 1 tokens
   got, conf = forced
   want = np.take_along_axis(forward(variables, prompts, LENS, resp), (LENS[:, None] - 1 + np.arange(N))[..., None], 1)
   np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
   layers = plain_out["routing_confidence_layers"]
-  assert sorted(layers) == sorted(conf) and len(conf) == len(tiny_cfg.moe_layers)   # one entry per MoE layer
+  assert sorted(layers) == sorted(conf) and len(conf) == len(tiny_cfg.moe_layers)  # one entry per MoE layer
   for k in conf:
     np.testing.assert_allclose(layers[k], conf[k], rtol=1e-5)
   np.testing.assert_allclose(plain_out["routing_confidence"], np.mean(list(conf.values())), rtol=1e-5)
@@ -148,8 +166,7 @@ def test_logp_equals_training_forward_fp32_and_differs_bf16(tiny_cfg, variables,
   np.testing.assert_allclose(out["logp"], ref, atol=1e-4, rtol=0)
   bf = jax.device_get(engine(tiny_cfg, dtype="bfloat16").generate(variables, prompts, LENS, jax.random.key(3)))
   m = bf["response_mask"] > 0
-  diff = np.abs(bf["logp"] - response_logp(forward(variables, prompts, LENS, bf["response"]), LENS,
-                                           bf["response"]))[m]
+  diff = np.abs(bf["logp"] - response_logp(forward(variables, prompts, LENS, bf["response"]), LENS, bf["response"]))[m]
   print(f"bf16 rollout vs fp32 training forward: mean |logp diff| = {diff.mean():.2e}, max = {diff.max():.2e}")
   assert 3e-4 < diff.mean() < 0.1
   assert abs(bf["routing_confidence"] - out["routing_confidence"]) < 0.02
@@ -172,9 +189,10 @@ def test_logit_noise_logp_is_of_the_sampled_distribution(tiny_cfg, variables, pr
 def test_eos_stops_row_and_truncated_flag(tiny_cfg, variables, prompts):
   greedy = jax.device_get(engine(tiny_cfg, temperature=0.0).generate(variables, prompts, LENS, jax.random.key(0)))
   assert greedy["truncated"].all() and (greedy["lengths"] == N).all()
-  eos = int(greedy["response"][0, 6])                   # a token row 0 emits: it must stop there
-  out = jax.device_get(engine(tiny_cfg, temperature=0.0, eos_id=eos).generate(variables, prompts, LENS,
-                                                                               jax.random.key(0)))
+  eos = int(greedy["response"][0, 6])  # a token row 0 emits: it must stop there
+  out = jax.device_get(
+    engine(tiny_cfg, temperature=0.0, eos_id=eos).generate(variables, prompts, LENS, jax.random.key(0))
+  )
   for b in range(B):
     hits = np.flatnonzero(greedy["response"][b] == eos)
     L = hits[0] + 1 if len(hits) else N
@@ -190,16 +208,20 @@ def test_eos_stops_row_and_truncated_flag(tiny_cfg, variables, prompts):
 def test_spec_greedy_equals_plain_greedy(tiny_cfg, variables, restricted, prompts, heads):
   """Greedy MTP-3 speculative decoding (different prompt padding, 16 columns) = greedy plain decoding, incl. EOS."""
   v = restricted if heads == "restricted" else variables
-  eos = 11 if heads == "restricted" else EOS              # restricted: rows stop at different points
-  plain = jax.device_get(engine(tiny_cfg, temperature=0.0, eos_id=eos).generate(v, prompts, LENS,
-                                                                                jax.random.key(0)))
-  spec = jax.device_get(engine(tiny_cfg, temperature=0.0, eos_id=eos, spec_decode=True,
-                               max_prompt_len=16).generate(v, prompts, LENS, jax.random.key(5)))
+  eos = 11 if heads == "restricted" else EOS  # restricted: rows stop at different points
+  plain = jax.device_get(engine(tiny_cfg, temperature=0.0, eos_id=eos).generate(v, prompts, LENS, jax.random.key(0)))
+  spec = jax.device_get(
+    engine(tiny_cfg, temperature=0.0, eos_id=eos, spec_decode=True, max_prompt_len=16).generate(
+      v, prompts, LENS, jax.random.key(5)
+    )
+  )
   for k in ("response", "response_mask", "lengths", "truncated"):
     np.testing.assert_array_equal(spec[k], plain[k], err_msg=k)
   np.testing.assert_allclose(spec["logp"], plain["logp"], atol=1e-4)
-  print(f"greedy spec ({heads} heads): accept {float(spec['accept_rate']):.2f}, "
-        f"tokens/call {float(spec['tokens_per_call']):.2f}, lengths {spec['lengths'].tolist()}")
+  print(
+    f"greedy spec ({heads} heads): accept {float(spec['accept_rate']):.2f}, "
+    f"tokens/call {float(spec['tokens_per_call']):.2f}, lengths {spec['lengths'].tolist()}"
+  )
   if heads == "restricted":
     assert 0.2 < spec["accept_rate"] < 0.95 and spec["tokens_per_call"] > 1.3
     assert spec["truncated"].sum() < B
@@ -212,7 +234,7 @@ def nucleus_probs(logits, temp, top_p):
   p = np.exp(z - z.max(-1, keepdims=True))
   p /= p.sum(-1, keepdims=True)
   ps = -np.sort(-p, -1)
-  n_keep = (np.cumsum(ps, -1) - ps < top_p).sum(-1, keepdims=True)          # >= 1
+  n_keep = (np.cumsum(ps, -1) - ps < top_p).sum(-1, keepdims=True)  # >= 1
   q = np.where(p >= np.take_along_axis(ps, n_keep - 1, -1), p, 0.0)
   return q / q.sum(-1, keepdims=True)
 
@@ -224,9 +246,10 @@ def test_sampling_logprobs_matches_numpy_nucleus():
     np.testing.assert_allclose(got, nucleus_probs(logits.astype(np.float64), temp, top_p), atol=1e-6)
   assert (np.exp(np.asarray(sampling_logprobs(jnp.asarray(logits), 1.0, 0.01))) > 0).sum(-1).max() == 1
   tied = np.zeros((1, 6), np.float32)
-  tied[0, 0] = 1.0                                        # p = [.35, .13 x 5]: top_p 0.5 keeps all ties
-  np.testing.assert_allclose(np.exp(np.asarray(sampling_logprobs(jnp.asarray(tied), 1.0, 0.5))),
-                             nucleus_probs(tied, 1.0, 0.5), atol=1e-6)
+  tied[0, 0] = 1.0  # p = [.35, .13 x 5]: top_p 0.5 keeps all ties
+  np.testing.assert_allclose(
+    np.exp(np.asarray(sampling_logprobs(jnp.asarray(tied), 1.0, 0.5))), nucleus_probs(tied, 1.0, 0.5), atol=1e-6
+  )
   assert (nucleus_probs(tied, 1.0, 0.5) > 0).all() and (nucleus_probs(tied, 1.0, 0.3) > 0).sum() == 1
 
 
@@ -250,20 +273,21 @@ def test_spec_sampling_keeps_the_main_distribution(tiny_cfg, restricted, prompts
     resp, m = out["response"], out["response_mask"] > 0
     lp_fwd = forward(restricted, prompts, LENS, resp)
     idx = (LENS[:, None] - 1 + np.arange(N))[..., None]
-    logits = np.take_along_axis(lp_fwd, idx, 1)                             # [B, N, V]
+    logits = np.take_along_axis(lp_fwd, idx, 1)  # [B, N, V]
     p, p_wrong = nucleus_probs(logits, temp, top_p), nucleus_probs(logits, 1.5 * temp, 1.0)
-    np.testing.assert_allclose(out["logp"][m], np.log(np.take_along_axis(p, resp[..., None], -1)[..., 0])[m],
-                               atol=1e-4)
+    np.testing.assert_allclose(out["logp"][m], np.log(np.take_along_axis(p, resp[..., None], -1)[..., 0])[m], atol=1e-4)
     sel = m.copy()
-    sel[:, 0] = False                                                         # token 0 comes from the prefill
+    sel[:, 0] = False  # token 0 comes from the prefill
     for q, dest in ((p, u), (p_wrong, u_wrong)):
       cdf = np.cumsum(q, -1)
       px = np.take_along_axis(q, resp[..., None], -1)[..., 0]
       below = np.take_along_axis(cdf, resp[..., None], -1)[..., 0] - px
       dest.append((below + rs.rand(*px.shape) * px)[sel])
   u, u_wrong = np.concatenate(u), np.concatenate(u_wrong)
-  print(f"spec sampling: {len(u)} tokens, accept {np.mean(acc):.2f}, chi2 {_pit_chi2(u):.1f} "
-        f"(wrong target: {_pit_chi2(u_wrong):.1f})")
+  print(
+    f"spec sampling: {len(u)} tokens, accept {np.mean(acc):.2f}, chi2 {_pit_chi2(u):.1f} "
+    f"(wrong target: {_pit_chi2(u_wrong):.1f})"
+  )
   assert len(u) > 1000 and 0.2 < np.mean(acc) < 0.95
   assert _pit_chi2(u) < CHI2_9DOF_P001
   assert _pit_chi2(u_wrong) > 2 * CHI2_9DOF_P001
@@ -279,8 +303,12 @@ def test_bad_inputs_name_the_argument(tiny_cfg, variables, prompts):
     eng.generate(variables, prompts, LENS[:3], jax.random.key(0))
   with pytest.raises(ValueError, match="prompt_lens"):
     eng.generate(variables, prompts, np.zeros(B, np.int32), jax.random.key(0))
-  for kw, name in [({"top_p": 0.0}, "top_p"), ({"temperature": -1.0}, "temperature"), ({"dtype": "fp8"}, "dtype"),
-                   ({"eos_id": 10 ** 6}, "eos_id")]:
+  for kw, name in [
+    ({"top_p": 0.0}, "top_p"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"dtype": "fp8"}, "dtype"),
+    ({"eos_id": 10**6}, "eos_id"),
+  ]:
     with pytest.raises(ValueError, match=name):
       engine(tiny_cfg, **kw)
 
@@ -290,19 +318,20 @@ def test_mtp_draft_chain_matches_training_mtp_forward(tiny_cfg, variables, forwa
   states from the uncached forward): every MTP span entry the cached chain computes, hence every draft logit,
   equals the training forward's MTP logits at that position, across rollbacks and ring-buffer wrap-around."""
   a, K, steps = R.M.as_args(tiny_cfg), tiny_cfg.num_mtp_layers, 12
-  v = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape) if x.ndim == 1 else x,
-                   variables)                            # non-zero norm scales: a stricter check
+  v = jax.tree.map(
+    lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape) if x.ndim == 1 else x, variables
+  )  # non-zero norm scales: a stricter check
   rs = np.random.RandomState(2)
   X = rs.randint(3, 512, (B, T_FWD)).astype(np.int32)
   ns = rs.randint(0, K + 1, (steps, B)).astype(np.int32)
-  for b in range(B):                                     # end between position 36 and 53 (T_FWD - 2K - 5)
+  for b in range(B):  # end between position 36 and 53 (T_FWD - 2K - 5)
     while LENS[b] - 1 + (1 + ns[:, b]).sum() > 53:
       ns[np.argmax(ns[:, b]), b] -= 1
     while LENS[b] - 1 + (1 + ns[:, b]).sum() < 36:
       ns[np.argmin(ns[:, b]), b] += 1
-  _, ref, hidden = forward_mtp(v, jnp.asarray(X))        # ref [K, B, T, V]: module k at t predicts t+k+2
+  _, ref, hidden = forward_mtp(v, jnp.asarray(X))  # ref [K, B, T, V]: module k at t predicts t+k+2
   pad = P - LENS
-  teacher = lambda nxt: (lambda k, lg: (nxt[:, k], None, lg))          # "sampling" returns the true tokens
+  teacher = lambda nxt: lambda k, lg: (nxt[:, k], None, lg)  # "sampling" returns the true tokens
   at = lambda x, idx: jnp.take_along_axis(x, idx, 1)
 
   @jax.jit
@@ -313,16 +342,29 @@ def test_mtp_draft_chain_matches_training_mtp_forward(tiny_cfg, variables, forwa
     ext = jnp.concatenate([jnp.where(seg > 0, at(X, pos), 0), at(X, jnp.asarray(LENS)[:, None])], 1)
     s = jnp.asarray(LENS - 1)
     mcache = init_cache(a, B, P + T_FWD, K + 1, mtp=True)["mtp"]
-    _, _, carries, mcache, pre = R.draft_prefill(a, v, mcache, at(hidden, pos[..., None]), ext, pos, seg, s,
-                                                 teacher(at(X, s[:, None] + 2 + jnp.arange(K))))
+    _, _, carries, mcache, pre = R.draft_prefill(
+      a, v, mcache, at(hidden, pos[..., None]), ext, pos, seg, s, teacher(at(X, s[:, None] + 2 + jnp.arange(K)))
+    )
 
     def step(c, n):
       mcache, carries, s = c
-      hid = at(hidden, (s[:, None] + 1 + jnp.arange(K + 1))[..., None])        # verify positions s+1..s+K+1
+      hid = at(hidden, (s[:, None] + 1 + jnp.arange(K + 1))[..., None])  # verify positions s+1..s+K+1
       Z = at(X, s[:, None] + 2 + jnp.arange(2 * K))
-      _, _, carries, mcache, lg = R.draft_step(a, v, mcache, carries, hid, Z, s, n, pad, jnp.ones(B, bool),
-                                               teacher(at(X, (s + 3 + n)[:, None] + jnp.arange(K))))
+      _, _, carries, mcache, lg = R.draft_step(
+        a,
+        v,
+        mcache,
+        carries,
+        hid,
+        Z,
+        s,
+        n,
+        pad,
+        jnp.ones(B, bool),
+        teacher(at(X, (s + 3 + n)[:, None] + jnp.arange(K))),
+      )
       return (mcache, carries, s + 1 + n), (s, tuple(lg))
+
     _, (ss, lgs) = jax.lax.scan(step, (mcache, carries, s), ns)
     return pre, ss, lgs
 
@@ -331,9 +373,9 @@ def test_mtp_draft_chain_matches_training_mtp_forward(tiny_cfg, variables, forwa
   got, want = [], []
   for k in range(K):
     for b in range(B):
-      c = np.arange(pad[b], P)                                       # prefill: every real prompt column
+      c = np.arange(pad[b], P)  # prefill: every real prompt column
       got.append(pre[k][b, c]), want.append(ref[k, b, c - pad[b]])
-      for t in range(steps):                                         # valid span entries (<= s_new)
+      for t in range(steps):  # valid span entries (<= s_new)
         j = np.arange(ns[t, b] + k + 1)
         p = ss[t, b] - k + 1 + j
         got.append(lgs[k][t, b, j[p >= 0]]), want.append(ref[k, b, p[p >= 0]])

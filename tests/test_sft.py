@@ -1,4 +1,5 @@
 """SFT: LR schedule values, frozen router, skipped non-finite steps, and kill -9 + resume == uninterrupted."""
+
 import json
 import os
 import signal
@@ -6,7 +7,6 @@ import subprocess
 import sys
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,10 +18,10 @@ from conftest import ROOT
 def test_lr_schedule_values():
   f = sft.lr_schedule(1e-5, 1000, warmup_frac=0.03, end_frac=0.5)
   assert float(f(0)) == 0.0
-  np.testing.assert_allclose(float(f(15)), 0.5e-5, rtol=1e-6)          # halfway through the 30-step warmup
-  np.testing.assert_allclose(float(f(30)), 1e-5, rtol=1e-6)            # peak
-  np.testing.assert_allclose(float(f(515)), 0.75e-5, rtol=1e-3)        # cosine midpoint: (1 + 0.5) / 2
-  np.testing.assert_allclose(float(f(1000)), 0.5e-5, rtol=1e-6)        # end: half the peak (1e-5 -> 5e-6)
+  np.testing.assert_allclose(float(f(15)), 0.5e-5, rtol=1e-6)  # halfway through the 30-step warmup
+  np.testing.assert_allclose(float(f(30)), 1e-5, rtol=1e-6)  # peak
+  np.testing.assert_allclose(float(f(515)), 0.75e-5, rtol=1e-3)  # cosine midpoint: (1 + 0.5) / 2
+  np.testing.assert_allclose(float(f(1000)), 0.5e-5, rtol=1e-6)  # end: half the peak (1e-5 -> 5e-6)
 
 
 def test_frozen_router_mask():
@@ -33,6 +33,7 @@ def test_frozen_router_mask():
 
 def test_non_finite_step_is_skipped():
   import optax
+
   params = {"w": jnp.ones((3,))}
   tx = optax.sgd(0.1)
   state = {"params": params, "opt": tx.init(params)}
@@ -44,10 +45,20 @@ def test_non_finite_step_is_skipped():
 
 
 def _cmd(workdir):
-  return [sys.executable, os.path.join(ROOT, "experiments", "run.py"), "--config=" + os.path.join(ROOT, "configs", "sft.py:small"),
-          f"--workdir={workdir}", "--config.train.steps=6", "--config.train.checkpoint_every=2",
-          "--config.train.eval_every=100", "--config.eval.num_examples=4", "--config.eval.batch_size=4",
-          "--config.eval.max_new_tokens=4", "--config.data.batch_size=4", "--config.data.seq_len=64"]
+  return [
+    sys.executable,
+    os.path.join(ROOT, "experiments", "run.py"),
+    "--config=" + os.path.join(ROOT, "configs", "sft.py:small"),
+    f"--workdir={workdir}",
+    "--config.train.steps=6",
+    "--config.train.checkpoint_every=2",
+    "--config.train.eval_every=100",
+    "--config.eval.num_examples=4",
+    "--config.eval.batch_size=4",
+    "--config.eval.max_new_tokens=4",
+    "--config.data.batch_size=4",
+    "--config.data.seq_len=64",
+  ]
 
 
 def _losses(workdir):
@@ -85,6 +96,7 @@ def test_bad_config_is_a_one_line_error(tmp_path):
 def test_bad_eval_dtype_names_the_field():
   from stepflash_jax.config import load_config_file
   from stepflash_jax.train.validate import validate_run_config
+
   cfg = load_config_file(os.path.join(ROOT, "configs", "mispo.py"), "small")
   validate_run_config(cfg)
   cfg.eval.dtype = "float16"

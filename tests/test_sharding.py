@@ -6,45 +6,63 @@ imported, fast-compile XLA flags) so the rest of the suite keeps its single devi
 JSON report. Regenerate the golden PartitionSpecs with
     UPDATE_GOLDEN=1 /work/venv/bin/pytest tests/test_sharding.py -k golden
 """
+
 import json
 import os
 import subprocess
 import sys
 import time
 
-if __name__ == "__main__":   # worker: must set the flags before jax is imported
-  os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-                             "--xla_llvm_disable_expensive_passes=true")
+if __name__ == "__main__":  # worker: must set the flags before jax is imported
+  os.environ["XLA_FLAGS"] = (
+    "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+    "--xla_llvm_disable_expensive_passes=true"
+  )
   os.environ["JAX_PLATFORMS"] = "cpu"
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "golden")
-MESHES = {"data8": dict(data=8, fsdp=1, expert=1, tensor=1),
-          "data2_expert4": dict(data=2, fsdp=1, expert=4, tensor=1),
-          "fsdp2_expert2_tensor2": dict(data=1, fsdp=2, expert=2, tensor=2)}
+MESHES = {
+  "data8": dict(data=8, fsdp=1, expert=1, tensor=1),
+  "data2_expert4": dict(data=2, fsdp=1, expert=4, tensor=1),
+  "fsdp2_expert2_tensor2": dict(data=1, fsdp=2, expert=2, tensor=2),
+}
 TOL = 1e-5
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Worker (runs in the subprocess)
 
+
 def small_tiny_config():
   """configs/model/tiny.py (hidden 128, 8 experts top-2, 4/6 query heads over 2 kv heads, vocab 512) cut to two
   layers (full-attention dense, SWA MoE) + one MTP module so that a dozen 8-device compilations fit the budget."""
   sys.path.insert(0, ROOT)
   from stepflash_jax.config import FULL, SWA, load_config_file
+
   c = load_config_file(os.path.join(ROOT, "configs", "model", "tiny.py"))
-  c.update(dict(num_layers=2, num_mtp_layers=1, layer_types=[FULL, SWA, SWA], rope_theta=[5e6, 1e4, 1e4],
-                partial_rotary_factors=[0.5, 1.0, 1.0], moe_layers=[1], swiglu_limits=[0.0, 7.0, 0.0],
-                swiglu_limits_shared=[0.0, 16.0, 0.0], expert_parallel="auto"))
+  c.update(
+    dict(
+      num_layers=2,
+      num_mtp_layers=1,
+      layer_types=[FULL, SWA, SWA],
+      rope_theta=[5e6, 1e4, 1e4],
+      partial_rotary_factors=[0.5, 1.0, 1.0],
+      moe_layers=[1],
+      swiglu_limits=[0.0, 7.0, 0.0],
+      swiglu_limits_shared=[0.0, 16.0, 0.0],
+      expert_parallel="auto",
+    )
+  )
   return c
 
 
 def _maxdiff(a, b):
   import jax
   import numpy as np
+
   la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
   assert len(la) == len(lb)
   return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))) for x, y in zip(la, lb))
@@ -52,6 +70,7 @@ def _maxdiff(a, b):
 
 def _kept(tree, shardings):
   import jax
+
   return all(x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
 
 
@@ -66,7 +85,6 @@ def _worker():
   from stepflash_jax.optim import muon
   from stepflash_jax.rl import trainer
   from stepflash_jax.rl.critic import critic_from_actor
-  from stepflash_jax.rl.rollout import FAST_COMPILE, RolloutEngine
   from stepflash_jax.train import sft
 
   assert jax.device_count() == 8
@@ -80,12 +98,17 @@ def _worker():
   # summation-order noise (~1e-10) on near-zero gradients would move a few embedding entries by ~1e-4.
   tx = muon(3e-3, ortho_dtype="float32", adam_eps=1e-6, grad_clip_norm=1.0)
   tcfg = ml_collections.ConfigDict(dict(mtp_weight=0.1, ep_balance_coef=0.0, ep_groups=1, router_bias_rate=1e-3))
-  rcfg = ml_collections.ConfigDict(dict(objective="mispo", token_bounds=(0.5, 2.0), traj_bounds=(0.996, 1.001),
-                                        normalizer="valid", kl_coef=1e-3))
+  rcfg = ml_collections.ConfigDict(
+    dict(objective="mispo", token_bounds=(0.5, 2.0), traj_bounds=(0.996, 1.001), normalizer="valid", kl_coef=1e-3)
+  )
   variables = model_lib.init(args, jax.random.key(0))
   mask = sft.frozen_mask(variables["params"], True)
-  state = {"params": variables["params"], "router": variables["router"], "opt": tx.init(variables["params"]),
-           "step": jnp.int32(0)}
+  state = {
+    "params": variables["params"],
+    "router": variables["router"],
+    "opt": tx.init(variables["params"]),
+    "step": jnp.int32(0),
+  }
   critic_vars = critic_from_actor(variables)
   critic_vars["params"]["value_head"]["kernel"] = jnp.asarray(rng.normal(0, 0.1, (128,)), jnp.float32)
   cstate = {"params": critic_vars["params"], "router": critic_vars["router"], "opt": tx.init(critic_vars["params"])}
@@ -97,19 +120,31 @@ def _worker():
   seg[:, 20:] = 2
   seg[-1, 28:] = 0
   pos = np.concatenate([np.arange(20), np.arange(12)])[None].repeat(B, 0).astype(np.int32)
-  batch = dict(tokens=tok, targets=np.roll(tok, -1, 1), loss_mask=(seg > 0).astype(np.float32) * (pos > 3),
-               segment_ids=seg, positions=pos)
+  batch = dict(
+    tokens=tok,
+    targets=np.roll(tok, -1, 1),
+    loss_mask=(seg > 0).astype(np.float32) * (pos > 3),
+    segment_ids=seg,
+    positions=pos,
+  )
   # RL mini-batch: 8 sequences of prompt 8 + response 8 tokens (the critic's: 4 of them, an uneven batch).
   P, R = 8, 8
   rtok = rng.integers(3, 512, (B, P + R)).astype(np.int32)
   rmask = (np.arange(R)[None] < rng.integers(3, R + 1, (B, 1))).astype(np.float32)
   logp_old = rng.normal(-3.0, 0.5, (B, R)).astype(np.float32)
-  mb = dict(tokens=rtok, positions=np.arange(P + R)[None].repeat(B, 0).astype(np.int32),
-            segment_ids=np.concatenate([np.ones((B, P), np.int32), rmask.astype(np.int32)], 1),
-            response=rtok[:, P:], mask=rmask, logp_old=logp_old, logp_rollout=logp_old.copy(),
-            logp_ref=logp_old + 0.01, adv=rng.normal(0, 1, (B, R)).astype(np.float32),
-            returns=rng.normal(0, 1, (B, R)).astype(np.float32))
-  mb["logp_rollout"][1] -= 0.3                      # this trajectory is filtered by MIS-PO
+  mb = dict(
+    tokens=rtok,
+    positions=np.arange(P + R)[None].repeat(B, 0).astype(np.int32),
+    segment_ids=np.concatenate([np.ones((B, P), np.int32), rmask.astype(np.int32)], 1),
+    response=rtok[:, P:],
+    mask=rmask,
+    logp_old=logp_old,
+    logp_rollout=logp_old.copy(),
+    logp_ref=logp_old + 0.01,
+    adv=rng.normal(0, 1, (B, R)).astype(np.float32),
+    returns=rng.normal(0, 1, (B, R)).astype(np.float32),
+  )
+  mb["logp_rollout"][1] -= 0.3  # this trajectory is filtered by MIS-PO
   cmb = {k: v[:4] for k, v in mb.items()}
 
   def run_all(place, a=args):
@@ -118,8 +153,9 @@ def _worker():
     fns = trainer.Functions(a, rcfg, tx, tx, P, mask)
     out = {}
     out["sft"] = step(place(state, "state"), place(batch, "batch"))
-    out["actor"] = fns.actor_step(place({k: state[k] for k in ("params", "router", "opt")}, "state"),
-                                  place(mb, "batch"))
+    out["actor"] = fns.actor_step(
+      place({k: state[k] for k in ("params", "router", "opt")}, "state"), place(mb, "batch")
+    )
     out["critic"] = fns.critic_step(place(cstate, "state"), place(cmb, "batch"))
     return jax.device_get(out), out
 
@@ -136,26 +172,34 @@ def _worker():
     t = time.time()
     mesh = parallel.make_mesh(shape)
     with parallel.use_mesh(mesh, rules):
+
       def place(x, kind):
         if kind == "batch":
           return parallel.shard_batch(x, mesh, rules)
         return parallel.place_state(x, args, mesh, rules)
+
       got, live = run_all(place, a)
       kept = {k: _kept(live[k][0], parallel.state_shardings(live[k][0], args, mesh, rules)) for k in live}
     r = {"time": time.time() - t, "expert_parallel": a.expert_parallel}
     for k in ("sft", "actor", "critic"):
       loss_key = {"sft": "total_loss", "actor": "actor_loss", "critic": "critic_loss"}[k]
-      r[k] = {"loss": float(got[k][1][loss_key]), "loss_ref": float(ref[k][1][loss_key]),
-              "state_maxdiff": _maxdiff(got[k][0], ref[k][0]),
-              "metrics_maxdiff": _maxdiff({n: v for n, v in got[k][1].items()},
-                                          {n: v for n, v in ref[k][1].items()}),
-              "sharding_kept": bool(kept[k])}
+      r[k] = {
+        "loss": float(got[k][1][loss_key]),
+        "loss_ref": float(ref[k][1][loss_key]),
+        "state_maxdiff": _maxdiff(got[k][0], ref[k][0]),
+        "metrics_maxdiff": _maxdiff({n: v for n, v in got[k][1].items()}, {n: v for n, v in ref[k][1].items()}),
+        "sharding_kept": bool(kept[k]),
+      }
     report[name] = r
     print(name, json.dumps(r), file=sys.stderr, flush=True)
 
-  for name, fn in (("ep", _ep_strategies), ("attention", _local_attention),
-                   ("muon", lambda: _muon_collectives(args)), ("rollout", lambda: _rollout(args, variables, rules)),
-                   ("init", lambda: _sharded_init(args, variables, rules))):
+  for name, fn in (
+    ("ep", _ep_strategies),
+    ("attention", _local_attention),
+    ("muon", lambda: _muon_collectives(args)),
+    ("rollout", lambda: _rollout(args, variables, rules)),
+    ("init", lambda: _sharded_init(args, variables, rules)),
+  ):
     t = time.time()
     report[name] = fn()
     report[f"time_{name}"] = time.time() - t
@@ -172,20 +216,23 @@ def _ep_strategies():
   from stepflash_jax import parallel
   from stepflash_jax.model.moe import expert_ffn
   from stepflash_jax.parallel import expert_parallel as ep
+
   rng = np.random.default_rng(1)
-  N, H, E, F, k = 40, 16, 8, 12, 2                 # 40 tokens: padded to 48 on the (data 2, expert 4) mesh ...
+  N, H, E, F, k = 40, 16, 8, 12, 2  # 40 tokens: padded to 48 on the (data 2, expert 4) mesh ...
   x = jnp.asarray(rng.standard_normal((N, H)), jnp.float32)
   ch = np.stack([rng.choice(E, k, replace=False) for _ in range(N)])
-  ch[:12] = [0, 1]                                 # ... and skewed: experts 0/1 (device 0) get 12 extra rows
+  ch[:12] = [0, 1]  # ... and skewed: experts 0/1 (device 0) get 12 extra rows
   ch = jnp.asarray(ch, jnp.int32)
   w = jnp.asarray(rng.random((N, k)), jnp.float32)
   ws = [jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32) for s in ((E, H, F), (E, H, F), (E, F, H))]
 
   def single(x, wg, wu, wd):
     return jnp.einsum("nkh,nk->nh", expert_ffn(x, ch, wg, wu, wd, 0.5, "xla"), w)
+
   def value_and_grads(f):
     y, vjp = jax.vjp(f, x, *ws)
-    return y, vjp(jnp.cos(y))                      # = grad of sum(sin(f))
+    return y, vjp(jnp.cos(y))  # = grad of sum(sin(f))
+
   y0, g0 = value_and_grads(single)
   out = {}
   # ragged (cf = ep): buffers hold every row, no fallback; a2a:0.5 / ragged:1 overflow -> gather path.
@@ -195,15 +242,18 @@ def _ep_strategies():
   # (no device receives more than 46 rows: checked below with the same token layout: 48 padded rows in 4 shards
   # over (fsdp, expert), EP groups = the 2 shards of one fsdp index, device d holds experts 4d..4d+3).
   padded = np.concatenate([np.asarray(ch), np.zeros((8, k), np.int32)])
-  recv = [[int(np.sum(padded[24 * f:24 * f + 24] // 4 == d)) for d in range(2)] for f in range(2)]
+  recv = [[int(np.sum(padded[24 * f : 24 * f + 24] // 4 == d)) for d in range(2)] for f in range(2)]
   out["ragged:1.9_max_rows_received"] = max(map(max, recv))
-  for mesh_name, modes in (("data2_expert4", ("a2a:0.5", "ragged", "ragged:1")),
-                           ("fsdp2_expert2_tensor2", ("a2a", "ragged", "ragged:1.9"))):
+  for mesh_name, modes in (
+    ("data2_expert4", ("a2a:0.5", "ragged", "ragged:1")),
+    ("fsdp2_expert2_tensor2", ("a2a", "ragged", "ragged:1.9")),
+  ):
     mesh = parallel.make_mesh(MESHES[mesh_name])
     for mode in modes:
       with parallel.use_mesh(mesh, parallel.DEFAULT_RULES):
-        y, g = jax.jit(lambda: value_and_grads(lambda x, wg, wu, wd: ep.moe_experts(x, ch, w, wg, wu, wd, 0.5,
-                                                                                    mode=mode)))()
+        y, g = jax.jit(
+          lambda: value_and_grads(lambda x, wg, wu, wd: ep.moe_experts(x, ch, w, wg, wu, wd, 0.5, mode=mode))
+        )()
       out[f"{mesh_name}/{mode}"] = {"y": _maxdiff(y, y0), "grad": _maxdiff(g, g0)}
   return out
 
@@ -214,6 +264,7 @@ def _local_attention():
   import jax.numpy as jnp
   import numpy as np
   from stepflash_jax import ops, parallel
+
   rng = np.random.default_rng(3)
   B, T, Hq, Hkv, D = 4, 16, 6, 2, 8
   q, k, v = (jnp.asarray(rng.standard_normal((B, T, h, D)), jnp.float32) for h in (Hq, Hkv, Hkv))
@@ -222,8 +273,9 @@ def _local_attention():
   def value_and_grads(attn):
     y, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, window=5, segment_ids=seg), q, k, v)
     return y, vjp(jnp.cos(y))
+
   y0, g0 = value_and_grads(ops.sliding_window_attention)
-  mesh = parallel.make_mesh(MESHES["fsdp2_expert2_tensor2"])      # batch over fsdp x expert, heads over tensor
+  mesh = parallel.make_mesh(MESHES["fsdp2_expert2_tensor2"])  # batch over fsdp x expert, heads over tensor
   with parallel.use_mesh(mesh, parallel.DEFAULT_RULES):
     y, g = jax.jit(lambda: value_and_grads(parallel.local_ops.sliding_window_attention))()
   return {"y": _maxdiff(y, y0), "grad": _maxdiff(g, g0)}
@@ -238,10 +290,12 @@ def _muon_collectives(args):
   from stepflash_jax import model as model_lib
   from stepflash_jax import parallel
   from stepflash_jax.optim.muon import scale_by_stepfun_muon
+
   out = {}
   variables = model_lib.init(args, jax.random.key(1))
-  experts = {"layer_1": {"moe": {n: variables["params"]["layer_1"]["moe"][n]
-                                 for n in ("gate_proj", "up_proj", "down_proj")}}}
+  experts = {
+    "layer_1": {"moe": {n: variables["params"]["layer_1"]["moe"][n] for n in ("gate_proj", "up_proj", "down_proj")}}
+  }
   E = args.num_experts
   for mesh_name in ("data2_expert4", "fsdp2_expert2_tensor2"):
     mesh = parallel.make_mesh(MESHES[mesh_name])
@@ -251,23 +305,37 @@ def _muon_collectives(args):
       p = parallel.place_state(experts, args, mesh, rules)
       st = jax.jit(tx.init)(p)
       hlo = jax.jit(tx.update).lower(p, st, p).compile().as_text()
-    colls = re.findall(r"= (\w+\[[\d,]*\])[^\n]*? (all-gather|all-reduce|all-to-all|collective-permute|"
-                       r"reduce-scatter)(?:-start)?\(", hlo)
+    colls = re.findall(
+      r"= (\w+\[[\d,]*\])[^\n]*? (all-gather|all-reduce|all-to-all|collective-permute|"
+      r"reduce-scatter)(?:-start)?\(",
+      hlo,
+    )
     full = [c for c in colls if re.match(rf"\w+\[{E},", c[0])]
-    out[mesh_name] = {"collectives": len(colls), "full_stack_collectives": len(full),
-                      "kinds": sorted(set(c[1] for c in colls))}
+    out[mesh_name] = {
+      "collectives": len(colls),
+      "full_stack_collectives": len(full),
+      "kinds": sorted(set(c[1] for c in colls)),
+    }
   return out
 
 
 def _rollout(args, variables, rules):
   """Greedy fp32 generation with sharded parameters (mesh data 2, expert 4) = one device: same tokens."""
   import jax
-  import jax.numpy as jnp
   import numpy as np
   from stepflash_jax import parallel
   from stepflash_jax.rl.rollout import FAST_COMPILE, RolloutEngine
-  eng = RolloutEngine(args, max_prompt_len=6, max_new_tokens=5, eos_id=1, pad_id=0, dtype="float32",
-                      temperature=0.0, compiler_options=FAST_COMPILE)
+
+  eng = RolloutEngine(
+    args,
+    max_prompt_len=6,
+    max_new_tokens=5,
+    eos_id=1,
+    pad_id=0,
+    dtype="float32",
+    temperature=0.0,
+    compiler_options=FAST_COMPILE,
+  )
   rng = np.random.default_rng(2)
   prompts = rng.integers(3, 512, (8, 6)).astype(np.int32)
   lens = np.array([6, 4, 5, 6, 3, 6, 2, 6], np.int32)
@@ -278,8 +346,10 @@ def _rollout(args, variables, rules):
     v = parallel.place_state(variables, args, mesh, rules)
     b = parallel.shard_batch({"prompts": prompts, "lens": lens}, mesh, rules)
     got = jax.device_get(eng.generate(v, b["prompts"], b["lens"], jax.random.key(0)))
-  return {"tokens_equal": bool(np.array_equal(got["response"], ref["response"])),
-          "logp_maxdiff": _maxdiff(got["logp"], ref["logp"])}
+  return {
+    "tokens_equal": bool(np.array_equal(got["response"], ref["response"])),
+    "logp_maxdiff": _maxdiff(got["logp"], ref["logp"]),
+  }
 
 
 def _sharded_init(args, variables, rules):
@@ -287,6 +357,7 @@ def _sharded_init(args, variables, rules):
   import jax
   from stepflash_jax import parallel
   from stepflash_jax.optim import muon
+
   mesh = parallel.make_mesh(MESHES["fsdp2_expert2_tensor2"])
   with parallel.use_mesh(mesh, rules):
     v = parallel.init_variables(args, jax.random.key(0), mesh, rules)
@@ -295,22 +366,28 @@ def _sharded_init(args, variables, rules):
     want = parallel.variable_shardings(args, mesh, rules)
     opt_sh = parallel.state_shardings(opt, args, mesh, rules)
   n_sharded_opt = sum(1 for s in jax.tree.leaves(opt_sh) if any(a is not None for a in s.spec))
-  return {"values_maxdiff": _maxdiff(v, variables), "sharding_kept": _kept(v, want),
-          "opt_sharding_kept": _kept(opt, opt_sh), "opt_leaves_sharded": n_sharded_opt}
+  return {
+    "values_maxdiff": _maxdiff(v, variables),
+    "sharding_kept": _kept(v, want),
+    "opt_sharding_kept": _kept(opt, opt_sh),
+    "opt_leaves_sharded": n_sharded_opt,
+  }
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Tests (in the pytest process: one device)
 
+
 @pytest.fixture(scope="module")
 def report():
   env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
   t = time.time()
-  r = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True, env=env,
-                     timeout=600, cwd=ROOT)
+  r = subprocess.run(
+    [sys.executable, os.path.abspath(__file__)], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT
+  )
   lines = [l for l in r.stdout.splitlines() if l.startswith("REPORT ")]
   assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-6000:]
-  rep = json.loads(lines[-1][len("REPORT "):])
+  rep = json.loads(lines[-1][len("REPORT ") :])
   rep["wall"] = time.time() - t
   print(f"sharding worker: {rep['wall']:.0f} s")
   return rep
@@ -321,9 +398,9 @@ def report():
 def test_step_on_mesh_matches_one_device(report, mesh_name, kind):
   r = report[mesh_name][kind]
   assert abs(r["loss"] - r["loss_ref"]) <= TOL * max(1.0, abs(r["loss_ref"])), r
-  assert r["state_maxdiff"] <= TOL, r          # params, optimizer state, router bias, step
-  assert r["metrics_maxdiff"] <= 1e-4, r       # grad norms, keep fractions, kl, confidence, ...
-  assert r["sharding_kept"], r                 # the new state comes out with the state shardings
+  assert r["state_maxdiff"] <= TOL, r  # params, optimizer state, router bias, step
+  assert r["metrics_maxdiff"] <= 1e-4, r  # grad norms, keep fractions, kl, confidence, ...
+  assert r["sharding_kept"], r  # the new state comes out with the state shardings
 
 
 def test_sft_step_changes_parameters(report):
@@ -335,7 +412,7 @@ def test_sft_step_changes_parameters(report):
 
 def test_expert_parallel_strategies_match_single_device(report):
   ep = dict(report["ep"])
-  assert ep.pop("ragged:1.9_max_rows_received") <= 46      # that case really ran the exchange, not the fallback
+  assert ep.pop("ragged:1.9_max_rows_received") <= 46  # that case really ran the exchange, not the fallback
   assert len(ep) == 6
   for name, r in ep.items():
     assert r["y"] <= 1e-5 and r["grad"] <= 1e-5, (name, r)
@@ -364,22 +441,26 @@ def test_sharded_init(report):
 # ---------------------------------------------------------------------------------------------------------------
 # Single-process tests: rules, golden specs, mesh config errors, batch axes
 
+
 def _golden(cfg_file):
   sys.path.insert(0, ROOT)
   from stepflash_jax import model as model_lib
   from stepflash_jax import parallel
   from stepflash_jax.config import load_config_file
   import jax
+
   cfg = load_config_file(os.path.join(ROOT, "configs", "model", cfg_file))
   out = {}
   for head in ("lm", "value"):
     logical = model_lib.logical_axes(cfg, head)
     mesh_spec = parallel.mesh_specs(logical, parallel.DEFAULT_RULES)
-    flat_l = jax.tree_util.tree_flatten_with_path(logical, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0]
+    flat_l = jax.tree_util.tree_flatten_with_path(logical, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[
+      0
+    ]
     flat_m = jax.tree.leaves(mesh_spec, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     for (path, l), m in zip(flat_l, flat_m):
       key = head + ":" + "/".join(str(getattr(p, "key", p)) for p in path)
-      out[key] = f"{tuple(l)} -> {tuple(m)}"     # logical names -> mesh axes per dimension
+      out[key] = f"{tuple(l)} -> {tuple(m)}"  # logical names -> mesh axes per dimension
   return out
 
 
@@ -399,10 +480,14 @@ def test_golden_partition_specs(cfg_file):
 def test_golden_has_expected_entries():
   with open(os.path.join(GOLDEN, "partition_specs_step35_flash.json")) as f:
     g = json.load(f)
-  assert g["lm:params/blocks/sub_0/moe/gate_proj/kernel"] == \
-      "('layers', 'expert', 'embed', 'mlp') -> (None, 'expert', 'fsdp', 'tensor')"
-  assert g["lm:params/blocks/sub_0/attn/q_proj/kernel"] == \
-      "('layers', 'embed', 'heads', 'head_dim') -> (None, ('fsdp', 'expert'), 'tensor', None)"
+  assert (
+    g["lm:params/blocks/sub_0/moe/gate_proj/kernel"]
+    == "('layers', 'expert', 'embed', 'mlp') -> (None, 'expert', 'fsdp', 'tensor')"
+  )
+  assert (
+    g["lm:params/blocks/sub_0/attn/q_proj/kernel"]
+    == "('layers', 'embed', 'heads', 'head_dim') -> (None, ('fsdp', 'expert'), 'tensor', None)"
+  )
   assert g["lm:router/blocks/sub_0/moe/router_bias"] == "('layers', 'expert') -> (None, 'expert')"
   assert g["value:params/value_head/kernel"] == "('embed',) -> (('fsdp', 'expert'),)"
   assert len([k for k in g if k.startswith("lm:")]) > 100
@@ -411,6 +496,7 @@ def test_golden_has_expected_entries():
 def test_resolve_precedence_and_divisibility():
   from jax.sharding import PartitionSpec as P
   from stepflash_jax import parallel
+
   R = parallel.DEFAULT_RULES
   assert parallel.resolve(("batch", "length", "embed"), R) == P(("data", "fsdp", "expert"), None, None)
   assert parallel.resolve(("expert", "embed", "mlp"), R) == P("expert", "fsdp", "tensor")
@@ -427,6 +513,7 @@ def test_resolve_precedence_and_divisibility():
 
 def test_rules_and_mesh_errors():
   from stepflash_jax import parallel
+
   with pytest.raises(ValueError, match="mesh.rules"):
     parallel.rules({"mesh": {"rules": (("vocab", "model"),)}})
   with pytest.raises(ValueError, match="mesh"):
@@ -435,6 +522,7 @@ def test_rules_and_mesh_errors():
     parallel.mesh_shape(dict(data=-1, fsdp=-1, expert=1, tensor=1), 1)
   assert parallel.mesh_shape(dict(data=-1, fsdp=1, expert=1, tensor=1), 1)["data"] == 1
   from stepflash_jax.parallel.expert_parallel import parse
+
   assert parse("ragged:1.5") == ("ragged", 1.5)
   with pytest.raises(ValueError, match="expert_parallel"):
     parse("alltoall")
@@ -443,10 +531,11 @@ def test_rules_and_mesh_errors():
 def test_run_config_mesh_checks():
   from configs import sft as sft_config
   from stepflash_jax.train.validate import validate_run_config
+
   c = sft_config.get_config()
   c.mesh.expert = 3
   with pytest.raises(ValueError, match="mesh.expert"):
-    validate_run_config(c, num_devices=3)           # 3 does not divide the 8 experts
+    validate_run_config(c, num_devices=3)  # 3 does not divide the 8 experts
   c.mesh.expert = 1
   c.mesh.rules = (("vocab", "model"),)
   with pytest.raises(ValueError, match="mesh.rules"):
@@ -455,6 +544,7 @@ def test_run_config_mesh_checks():
 
 def test_config_switch_validated(tiny_cfg):
   from stepflash_jax.config import model_args, validate
+
   c = tiny_cfg.copy_and_resolve_references()
   assert model_args(c).expert_parallel == "none"
   c.expert_parallel = "sometimes"

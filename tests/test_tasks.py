@@ -8,8 +8,12 @@ import pytest
 from stepflash_jax.data import tasks
 from stepflash_jax.data.tasks import arithmetic, base, countdown
 
-SETTINGS = [(f, d, v) for f in ("arithmetic", "countdown") for d in tasks.get_task(f).DIFFICULTIES
-            for v in tasks.get_task(f).VARIANTS]
+SETTINGS = [
+  (f, d, v)
+  for f in ("arithmetic", "countdown")
+  for d in tasks.get_task(f).DIFFICULTIES
+  for v in tasks.get_task(f).VARIANTS
+]
 
 
 @pytest.mark.parametrize("family", ["arithmetic", "countdown"])
@@ -53,7 +57,7 @@ def test_arithmetic_traces_match_a_digit_reference():
           continue
         a, b = ex["metadata"]["a"], ex["metadata"]["b"]
         result = {"+": a + b, "-": a - b, "*": a * b}[op]
-        body = ex["answer"][len("<think>"):ex["answer"].index("</think>")]
+        body = ex["answer"][len("<think>") : ex["answer"].index("</think>")]
         carry = 0
         for i, col in enumerate(body.split(",")):
           x, y, c, k, digit = re.fullmatch(r"(\d)[-+*](\d)[-+](\d)=(\d)(\d)", col).groups()
@@ -72,7 +76,9 @@ def test_large_number_default_is_addition():
     assert ex["metadata"]["op"] == "+" and len(str(ex["metadata"]["a"])) == d
 
 
-@pytest.mark.parametrize("completion,ok", [
+@pytest.mark.parametrize(
+  "completion,ok",
+  [
     ("<think>7+5+0=12,4+8+1=13,3+2+1=06</think>632", True),
     ("<think>whatever</think> 632 ", True),
     ("632", True),
@@ -84,7 +90,8 @@ def test_large_number_default_is_addition():
     ("<think>x</think>", False),
     ("", False),
     ("<think>x</think>-632", False),
-])
+  ],
+)
 def test_arithmetic_checker(completion, ok):
   meta = dict(op="+", a=347, b=285)
   assert arithmetic.check(meta, completion) is ok
@@ -98,18 +105,30 @@ def test_arithmetic_checker_negative_and_bad_metadata():
     arithmetic.check(dict(a=3), "1")
 
 
-@pytest.mark.parametrize("expr,ok", [
-    ("(7*3)+5", True), ("7*3+5", True), ("3*7+5", True), ("5+3*7", True), (" ( 7 * 3 ) + 5 ", True),
+@pytest.mark.parametrize(
+  "expr,ok",
+  [
+    ("(7*3)+5", True),
+    ("7*3+5", True),
+    ("3*7+5", True),
+    ("5+3*7", True),
+    (" ( 7 * 3 ) + 5 ", True),
     ("((7*3))+5", True),
-    ("7*3+5+5", False),       # 5 used twice
-    ("7*3+6", False),         # 6 not given
-    ("26", False),            # not a given number
-    ("(7+3)*5", False),       # wrong value (50)
+    ("7*3+5+5", False),  # 5 used twice
+    ("7*3+6", False),  # 6 not given
+    ("26", False),  # not a given number
+    ("(7+3)*5", False),  # wrong value (50)
     ("7*3+5=26", False),
-    ("(7*3)+5)", False), ("((7*3)+5", False), ("", False), ("7*/3+5", False),
-    ("-5+31", False), ("7*3+05", False), ("21/3", False),
+    ("(7*3)+5)", False),
+    ("((7*3)+5", False),
+    ("", False),
+    ("7*/3+5", False),
+    ("-5+31", False),
+    ("7*3+05", False),
+    ("21/3", False),
     ("__import__('os').system('true')", False),
-])
+  ],
+)
 def test_countdown_checker(expr, ok):
   meta = dict(numbers=[3, 7, 5], target=26)
   assert countdown.check(meta, "<think>7*3=21,21+5=26</think>" + expr) is ok
@@ -158,11 +177,17 @@ def test_split_fraction_and_tiny_problem_space():
   assert not test & train
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(seed=0, difficulty=0), "difficulty"), (dict(seed=0, difficulty=13), "difficulty"),
-    (dict(seed=0, difficulty=2.0), "difficulty"), (dict(seed=0, difficulty=2, split="dev"), "split"),
-    (dict(seed=0, difficulty=2, variant="/"), "variant"), (dict(seed="x", difficulty=2), "seed"),
-])
+@pytest.mark.parametrize(
+  "kwargs,field",
+  [
+    (dict(seed=0, difficulty=0), "difficulty"),
+    (dict(seed=0, difficulty=13), "difficulty"),
+    (dict(seed=0, difficulty=2.0), "difficulty"),
+    (dict(seed=0, difficulty=2, split="dev"), "split"),
+    (dict(seed=0, difficulty=2, variant="/"), "variant"),
+    (dict(seed="x", difficulty=2), "seed"),
+  ],
+)
 def test_bad_generator_arguments(kwargs, field):
   with pytest.raises(ValueError, match=field):
     arithmetic.generate(**kwargs)
@@ -178,8 +203,10 @@ def test_extract_answer():
 
 def test_mixture_parsing_and_sampling():
   mix = tasks.parse_mixture("arithmetic/+:2-4:3,countdown:3")
-  assert mix == (tasks.MixtureComponent("arithmetic", (2, 3, 4), 3.0, "+"),
-                 tasks.MixtureComponent("countdown", (3,), 1.0, None))
+  assert mix == (
+    tasks.MixtureComponent("arithmetic", (2, 3, 4), 3.0, "+"),
+    tasks.MixtureComponent("countdown", (3,), 1.0, None),
+  )
   assert tasks.parse_mixture("default") == tasks.DEFAULT_MIXTURE
   for bad in ("arithmetic", "nope:2", "arithmetic:0", "countdown:3:-1", "arithmetic/%:2", "arithmetic:x"):
     with pytest.raises(ValueError):
@@ -189,8 +216,10 @@ def test_mixture_parsing_and_sampling():
   counts = collections.Counter(ex["family"] for ex in exs)
   assert 0.65 < counts["arithmetic"] / 400 < 0.85  # weight 3:1
   assert {ex["difficulty"] for ex in exs if ex["family"] == "arithmetic"} == {2, 3, 4}
-  assert all(tasks.split_of(tasks.get_task(e["family"]).canonical(e["metadata"])) == "test"
-             for e in (tasks.sample_example(mix, 7, i, "test") for i in range(50)))
+  assert all(
+    tasks.split_of(tasks.get_task(e["family"]).canonical(e["metadata"])) == "test"
+    for e in (tasks.sample_example(mix, 7, i, "test") for i in range(50))
+  )
 
 
 def test_register_task():
@@ -199,8 +228,9 @@ def test_register_task():
 
     @staticmethod
     def generate(seed, difficulty, split="train", variant=None):
-      return dict(prompt=f"say {seed}", answer=f"<think></think>{seed}", family="echo_test", difficulty=1,
-                  metadata=dict(v=seed))
+      return dict(
+        prompt=f"say {seed}", answer=f"<think></think>{seed}", family="echo_test", difficulty=1, metadata=dict(v=seed)
+      )
 
     @staticmethod
     def check(meta, completion):

@@ -1,5 +1,6 @@
 """RL trainer wiring: sequence assembly, critic value alignment, one actor/critic update, mismatch statistics, and
 resume (stop after 2 generations + rerun == 4 generations in one go)."""
+
 import json
 import os
 import subprocess
@@ -25,12 +26,14 @@ def setup():
   args = M.as_args(cfg.model)
   v = sfj.init(cfg.model, jax.random.key(0))
   P, R = 6, 8
-  prompts = {"tokens": np.array([[0, 0, 2, 4, 9, 5], [2, 4, 9, 9, 9, 5]], np.int32),
-             "positions": np.array([[0, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5]], np.int32),
-             "segment_ids": np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], np.int32),
-             "lengths": np.array([4, 6], np.int32)}
+  prompts = {
+    "tokens": np.array([[0, 0, 2, 4, 9, 5], [2, 4, 9, 9, 9, 5]], np.int32),
+    "positions": np.array([[0, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5]], np.int32),
+    "segment_ids": np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], np.int32),
+    "lengths": np.array([4, 6], np.int32),
+  }
   response = np.array([[11, 12, 3, 0, 0, 0, 0, 0], [13, 14, 15, 16, 17, 18, 19, 20]], np.int32)
-  mask = np.array([[1, 1, 1, 0, 0, 0, 0, 0], [1] * 8], np.float32)      # row 0 ends with EOS (3), row 1 truncated
+  mask = np.array([[1, 1, 1, 0, 0, 0, 0, 0], [1] * 8], np.float32)  # row 0 ends with EOS (3), row 1 truncated
   gen = {"response": response, "response_mask": mask, "logp": np.full((2, R), -1.0, np.float32)}
   return cfg, args, v, prompts, gen, P, R
 
@@ -39,8 +42,8 @@ def test_sequences_positions_and_segments(setup):
   _, _, _, prompts, gen, P, R = setup
   b = trainer.sequences(prompts, gen)
   assert b["tokens"].shape == (2, P + R)
-  np.testing.assert_array_equal(b["positions"][0, P:P + 3], [4, 5, 6])     # continues after the 4 prompt tokens
-  np.testing.assert_array_equal(b["positions"][1, P:P + 3], [6, 7, 8])
+  np.testing.assert_array_equal(b["positions"][0, P : P + 3], [4, 5, 6])  # continues after the 4 prompt tokens
+  np.testing.assert_array_equal(b["positions"][1, P : P + 3], [6, 7, 8])
   np.testing.assert_array_equal(b["segment_ids"][0], [0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0])
 
 
@@ -64,12 +67,13 @@ def test_one_actor_and_critic_update(setup):
   tx_a = trainer.optimizer(rc, cfg.optim, 1e-2, 1)
   tx_c = trainer.optimizer(rc, cfg.optim, 1e-2, 1)
   from stepflash_jax.train.sft import frozen_mask
+
   fns = trainer.Functions(args, rc, tx_a, tx_c, P, frozen_mask(v["params"], True))
   b = trainer.sequences(prompts, gen)
   jb = {k: jnp.asarray(x) for k, x in b.items()}
   logp_old, ent, conf = fns.score(v["params"], v["router"], jb)
   assert logp_old.shape == (2, R) and float(ent) > 0
-  assert sorted(conf) == sorted(f"layer_{i}" for i in cfg.model.moe_layers)     # Sigma_k per MoE layer
+  assert sorted(conf) == sorted(f"layer_{i}" for i in cfg.model.moe_layers)  # Sigma_k per MoE layer
   assert all(0 < float(c) <= 1 for c in conf.values())
   cv = critic_from_actor(v)
   values = fns.values(cv["params"], cv["router"], jb)
@@ -78,16 +82,22 @@ def test_one_actor_and_critic_update(setup):
   # to V(s_T) = 0.
   np.testing.assert_allclose(adv[0, :3], 1.0, atol=1e-6)
   np.testing.assert_allclose(adv[1], 0.0, atol=1e-6)
-  mb = {**jb, "logp_old": logp_old, "logp_ref": logp_old, "adv": adv, "returns": ret,
-        "logp_rollout": logp_old + 0.001}          # inside the trajectory bounds: every token kept
+  mb = {
+    **jb,
+    "logp_old": logp_old,
+    "logp_ref": logp_old,
+    "adv": adv,
+    "returns": ret,
+    "logp_rollout": logp_old + 0.001,
+  }  # inside the trajectory bounds: every token kept
   actor = {"params": v["params"], "router": v["router"], "opt": tx_a.init(v["params"])}
   new, m = fns.actor_step(actor, mb)
   want, _ = losses.mispo_loss(logp_old, logp_old, mb["logp_rollout"], adv, jb["mask"])
-  np.testing.assert_allclose(float(m["actor_loss"]), float(want), rtol=1e-5)   # kl(pi, pi_old = pi_ref) = 0
+  np.testing.assert_allclose(float(m["actor_loss"]), float(want), rtol=1e-5)  # kl(pi, pi_old = pi_ref) = 0
   assert float(m["kept_frac"]) == 1.0 and float(m["skipped"]) == 0.0
   moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), new["params"], actor["params"])
   assert moved["lm_head"]["kernel"] > 0
-  assert moved["layer_2"]["moe"]["router"]["kernel"] == 0.0                   # router frozen
+  assert moved["layer_2"]["moe"]["router"]["kernel"] == 0.0  # router frozen
   critic = {"params": cv["params"], "router": cv["router"], "opt": tx_c.init(cv["params"])}
   newc, mc = fns.critic_step(critic, mb)
   assert float(mc["critic_loss"]) > 0
@@ -101,13 +111,17 @@ def test_mismatch_stats_match_numpy(setup):
   B, T = 5, 7
   lr = rng.normal(-1, 0.3, (B, T)).astype(np.float32)
   lo = (lr + rng.normal(0, 0.01, (B, T))).astype(np.float32)
-  lo[1, 2] = lr[1, 2] + 1.0                                           # x = e > 2: token filtered
+  lo[1, 2] = lr[1, 2] + 1.0  # x = e > 2: token filtered
   mask = np.ones((B, T), np.float32)
   mask[3, 4:] = 0
-  mask[4] = 0                                                         # an empty trajectory
-  lo[3, 5] = 50.0                                                     # garbage under the mask
-  got = {k: float(v) for k, v in trainer.mismatch_stats(rc, {"logp_old": jnp.asarray(lo), "logp_rollout": jnp.asarray(lr),
-                                                              "mask": jnp.asarray(mask)}).items()}
+  mask[4] = 0  # an empty trajectory
+  lo[3, 5] = 50.0  # garbage under the mask
+  got = {
+    k: float(v)
+    for k, v in trainer.mismatch_stats(
+      rc, {"logp_old": jnp.asarray(lo), "logp_rollout": jnp.asarray(lr), "mask": jnp.asarray(mask)}
+    ).items()
+  }
   d = np.abs(lo - lr)[mask > 0]
   log_x = np.where(mask > 0, lo - lr, 0.0)
   n = mask.sum(1)
@@ -123,20 +137,41 @@ def test_mismatch_stats_match_numpy(setup):
 
 
 def _rl_cmd(workdir, steps, sft_workdir=""):
-  small = ["--config.train.steps=4", "--config.train.checkpoint_every=4", "--config.eval.num_examples=4",
-           "--config.eval.batch_size=4", "--config.eval.max_new_tokens=8", "--config.data.batch_size=4",
-           "--config.data.seq_len=64", "--config.rl.prompts_per_step=2", "--config.rl.samples_per_prompt=2",
-           "--config.rl.actor_minibatches=2", "--config.rl.critic_minibatches=2", "--config.rl.max_new_tokens=8",
-           "--config.rl.checkpoint_every=2", "--config.rl.eval_every=100", f"--config.rl.sft_workdir={sft_workdir}"]
-  return [sys.executable, os.path.join(ROOT, "experiments", "run.py"),
-          "--config=" + os.path.join(ROOT, "configs", "mispo.py:small"), f"--workdir={workdir}",
-          f"--config.rl.steps={steps}", *small]
+  small = [
+    "--config.train.steps=4",
+    "--config.train.checkpoint_every=4",
+    "--config.eval.num_examples=4",
+    "--config.eval.batch_size=4",
+    "--config.eval.max_new_tokens=8",
+    "--config.data.batch_size=4",
+    "--config.data.seq_len=64",
+    "--config.rl.prompts_per_step=2",
+    "--config.rl.samples_per_prompt=2",
+    "--config.rl.actor_minibatches=2",
+    "--config.rl.critic_minibatches=2",
+    "--config.rl.max_new_tokens=8",
+    "--config.rl.checkpoint_every=2",
+    "--config.rl.eval_every=100",
+    f"--config.rl.sft_workdir={sft_workdir}",
+  ]
+  return [
+    sys.executable,
+    os.path.join(ROOT, "experiments", "run.py"),
+    "--config=" + os.path.join(ROOT, "configs", "mispo.py:small"),
+    f"--workdir={workdir}",
+    f"--config.rl.steps={steps}",
+    *small,
+  ]
 
 
 def test_rl_resume_equals_uninterrupted(tmp_path):
   """4 generations in one go == 2 generations, then a rerun of the command that resumes to 4 (same SFT)."""
-  env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")   # the three runs compile the same programs once
+  env = dict(
+    os.environ,
+    PYTHONUNBUFFERED="1",
+    JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"),
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+  )  # the three runs compile the same programs once
   a, b = tmp_path / "a", tmp_path / "b"
   subprocess.run(_rl_cmd(a, 4), check=True, env=env, capture_output=True, timeout=900)
   subprocess.run(_rl_cmd(b, 2, a / "sft"), check=True, env=env, capture_output=True, timeout=900)

@@ -2,6 +2,7 @@
 288 experts top-8 (+1 shared), window 512, vocab 128,896, bf16 weights.
   python experiments/count_params.py --config=configs/model/step35_flash.py     # a few seconds, no weights
 """
+
 from stepflash_jax.config import model_config
 
 

@@ -5,32 +5,41 @@ layers and MoE after, 64/96-style unequal query heads (4 full / 6 SWA) over 2 KV
 scaling on full layers, clamps on the last two layers, MTP-3.
   python experiments/count_params.py --config=configs/model/tiny.py     # ~1 s
 """
+
 from stepflash_jax.config import FULL, SWA, model_config
 
 
 def get_config(arg=None):
-  L, M = 10, 3                       # with scan_layers: layers 2..9 = 2 blocks of [SWA, SWA, full, SWA]
+  L, M = 10, 3  # with scan_layers: layers 2..9 = 2 blocks of [SWA, SWA, full, SWA]
   types = [FULL if i % 4 == 0 else SWA for i in range(L + M)]
   return model_config(
-      vocab_size=512,                # matches the locally trained SentencePiece tokenizer
-      hidden_size=128, head_dim=32,
-      num_layers=L, num_mtp_layers=M,
-      num_heads=4, num_heads_swa=6, num_kv_heads=2,   # GQA groups of 2 and 3
-      sliding_window=32,             # toy sequences are 96-128 tokens: several windows long
-      layer_types=types,
-      rope_theta=[5e6 if t == FULL else 1e4 for t in types],
-      partial_rotary_factors=[0.5 if t == FULL else 1.0 for t in types],
-      # Scaling kicks in beyond `original` positions: keep it active at toy lengths so the path is exercised.
-      rope_scaling=dict(rope_type="llama3", factor=2.0, original_max_position_embeddings=64,
-                        low_freq_factor=1.0, high_freq_factor=4.0),
-      intermediate_size=256,
-      moe_layers=list(range(2, L)),
-      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
-      routed_scaling_factor=3.0,
-      swiglu_limits=[7.0 if i in (L - 2, L - 1) else 0.0 for i in range(L + M)],
-      swiglu_limits_shared=[16.0 if i == L - 1 else 0.0 for i in range(L + M)],
-      max_position_embeddings=4096,
-      # On XLA:CPU the unrolled 10-layer model trains ~1.7x faster than the scanned one (2 blocks do not amortise
-      # the loop); the full config scans. Tests check that both give the same logits.
-      scan_layers=False,
+    vocab_size=512,  # matches the locally trained SentencePiece tokenizer
+    hidden_size=128,
+    head_dim=32,
+    num_layers=L,
+    num_mtp_layers=M,
+    num_heads=4,
+    num_heads_swa=6,
+    num_kv_heads=2,  # GQA groups of 2 and 3
+    sliding_window=32,  # toy sequences are 96-128 tokens: several windows long
+    layer_types=types,
+    rope_theta=[5e6 if t == FULL else 1e4 for t in types],
+    partial_rotary_factors=[0.5 if t == FULL else 1.0 for t in types],
+    # Scaling kicks in beyond `original` positions: keep it active at toy lengths so the path is exercised.
+    rope_scaling=dict(
+      rope_type="llama3", factor=2.0, original_max_position_embeddings=64, low_freq_factor=1.0, high_freq_factor=4.0
+    ),
+    intermediate_size=256,
+    moe_layers=list(range(2, L)),
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=64,
+    routed_scaling_factor=3.0,
+    swiglu_limits=[7.0 if i in (L - 2, L - 1) else 0.0 for i in range(L + M)],
+    swiglu_limits_shared=[16.0 if i == L - 1 else 0.0 for i in range(L + M)],
+    max_position_embeddings=4096,
+    # On XLA:CPU the unrolled 10-layer model trains ~1.7x faster than the scanned one (2 blocks do not amortise
+    # the loop); the full config scans. Tests check that both give the same logits.
+    scan_layers=False,
   )

@@ -13,6 +13,7 @@
    decoding, greedy and temperature 1, for the untrained tiny model and one trained for `train_steps` AdamW steps
    (main + 0.3 * MTP loss, batch 8 x 48 tokens) on a noisy Markov chain (x_{t+1} = f(x_t) with prob. 0.9, else uniform over 64 tokens).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,7 @@ from stepflash_jax.rl.rollout import RolloutEngine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EOS, PAD = 1, 0
-VOCAB_SUB = 64          # the Markov chain lives on tokens 2 .. 2 + VOCAB_SUB
+VOCAB_SUB = 64  # the Markov chain lives on tokens 2 .. 2 + VOCAB_SUB
 
 
 def timed(fn, reps):
@@ -50,6 +51,7 @@ def timed(fn, reps):
 
 def recompute_decoder(args, P, N, steps):
   """Greedy decoding without a cache: the full forward over the [B, P + N] buffer at each of `steps` steps."""
+
   def run(v, prompts, lens):
     B = prompts.shape[0]
     pad = P - lens
@@ -62,7 +64,9 @@ def recompute_decoder(args, P, N, steps):
       logits = M.apply(args, v, buf, positions=pos, segment_ids=seg)["logits"]
       tok = jnp.argmax(jax.lax.dynamic_index_in_dim(logits, P + i - 1, 1, keepdims=False), -1).astype(jnp.int32)
       return jax.lax.dynamic_update_index_in_dim(buf, tok, P + i, 1)
-    return jax.lax.fori_loop(0, steps, step, buf)[:, P:P + steps]
+
+    return jax.lax.fori_loop(0, steps, step, buf)[:, P : P + steps]
+
   return jax.jit(run)
 
 
@@ -71,9 +75,9 @@ def make_prompts(rs, B, P, markov=None):
   prompts = np.full((B, P), PAD, np.int32)
   for b in range(B):
     if markov is None:
-      prompts[b, P - lens[b]:] = rs.randint(2, 512, lens[b])
+      prompts[b, P - lens[b] :] = rs.randint(2, 512, lens[b])
     else:
-      prompts[b, P - lens[b]:] = markov_sequences(rs, markov, 1, lens[b])[0]
+      prompts[b, P - lens[b] :] = markov_sequences(rs, markov, 1, lens[b])[0]
   return prompts, lens
 
 
@@ -97,7 +101,7 @@ def train_markov(cfg, v, f, steps, batch=8, T=48, lr=1e-2, seed=0):
     out = sfj.apply(cfg, {"params": params, "router": v["router"]}, x, mtp=True)
     ce = lambda lg, y: -jnp.take_along_axis(jax.nn.log_softmax(lg), y[..., None], -1).mean()
     main = ce(out["logits"][:, :-1], x[:, 1:])
-    mtp = sum(ce(lg[:, :-(k + 2)], x[:, k + 2:]) for k, lg in enumerate(out["mtp_logits"]))
+    mtp = sum(ce(lg[:, : -(k + 2)], x[:, k + 2 :]) for k, lg in enumerate(out["mtp_logits"]))
     return main + 0.3 * mtp, (main, mtp)
 
   @jax.jit
@@ -113,12 +117,21 @@ def train_markov(cfg, v, f, steps, batch=8, T=48, lr=1e-2, seed=0):
 
 
 def section_cache_vs_recompute(cfg, v, a):
-  print(f"\n== 1. cached decode vs recompute-from-scratch: tiny, fp32, greedy, batch {a.batch}, prompt "
-        f"{a.prompt_len}, {a.new_tokens} new tokens ==")
+  print(
+    f"\n== 1. cached decode vs recompute-from-scratch: tiny, fp32, greedy, batch {a.batch}, prompt "
+    f"{a.prompt_len}, {a.new_tokens} new tokens =="
+  )
   rs = np.random.RandomState(0)
   prompts, lens = make_prompts(rs, a.batch, a.prompt_len)
-  eng = RolloutEngine(cfg, max_prompt_len=a.prompt_len, max_new_tokens=a.new_tokens, eos_id=EOS, pad_id=PAD,
-                      dtype="float32", temperature=0.0)
+  eng = RolloutEngine(
+    cfg,
+    max_prompt_len=a.prompt_len,
+    max_new_tokens=a.new_tokens,
+    eos_id=EOS,
+    pad_id=PAD,
+    dtype="float32",
+    temperature=0.0,
+  )
   n_rec = min(a.recompute_steps, a.new_tokens)
   rec = recompute_decoder(M.as_args(cfg), a.prompt_len, a.new_tokens, n_rec)
   out = eng.generate(v, prompts, lens, jax.random.key(0))
@@ -129,9 +142,11 @@ def section_cache_vs_recompute(cfg, v, a):
   print(f"{'method':<26}{'s / generate':>14}{'tokens / s':>12}")
   print(f"{'KV-cached (engine)':<26}{t_cache:>14.3f}{n_tok / t_cache:>12.0f}")
   print(f"{'recompute full forward':<26}{t_rec:>14.3f}{n_tok / t_rec:>12.0f}")
-  print(f"speed-up {t_rec / t_cache:.1f}x (goal >= 10x; recompute timed over {n_rec} steps and scaled); identical "
-        f"greedy tokens (first {n_rec}): {same:.1%}; "
-        f"all rows ran {a.new_tokens} tokens: {bool(np.all(np.asarray(out['lengths']) == a.new_tokens))}")
+  print(
+    f"speed-up {t_rec / t_cache:.1f}x (goal >= 10x; recompute timed over {n_rec} steps and scaled); identical "
+    f"greedy tokens (first {n_rec}): {same:.1%}; "
+    f"all rows ran {a.new_tokens} tokens: {bool(np.all(np.asarray(out['lengths']) == a.new_tokens))}"
+  )
 
 
 def _cache_sizes(args, length, lookahead, dtype):
@@ -150,36 +165,48 @@ def section_cache_bytes(cfg):
   rows += [("Step3.5", big, n, "bfloat16") for n in (512, 32768, 131072)]
   for name, args, n, dt in rows:
     ring, full = _cache_sizes(args, n, 3, jnp.dtype(dt))
-    fmt = lambda b: f"{b / 2 ** 30:.2f} GiB" if b >= 2 ** 30 else f"{b / 2 ** 20:.1f} MiB"
+    fmt = lambda b: f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
     print(f"{name:<10}{dt:<10}{n:>9}{fmt(ring):>16}{fmt(full):>16}{full / ring:>8.1f}x")
 
 
 def section_spec(cfg, v, a):
-  print(f"\n== 3. MTP-3 speculative decoding vs plain cached decoding: tiny, fp32, batch {a.batch}, "
-        f"{a.new_tokens} new tokens ==")
+  print(
+    f"\n== 3. MTP-3 speculative decoding vs plain cached decoding: tiny, fp32, batch {a.batch}, "
+    f"{a.new_tokens} new tokens =="
+  )
   rs = np.random.RandomState(1)
   f = rs.permutation(VOCAB_SUB)
   t0 = time.perf_counter()
   trained, (main_loss, mtp_loss) = train_markov(cfg, v, f, a.train_steps)
-  print(f"trained {a.train_steps} AdamW steps in {time.perf_counter() - t0:.0f} s: main CE {main_loss:.2f}, "
-        f"sum of 3 MTP CEs {mtp_loss:.2f} (chain entropy floor ~{-(0.9 * np.log(0.9) + 0.1 * np.log(0.1 / 64)):.2f}"
-        f" per token)")
+  print(
+    f"trained {a.train_steps} AdamW steps in {time.perf_counter() - t0:.0f} s: main CE {main_loss:.2f}, "
+    f"sum of 3 MTP CEs {mtp_loss:.2f} (chain entropy floor ~{-(0.9 * np.log(0.9) + 0.1 * np.log(0.1 / 64)):.2f}"
+    f" per token)"
+  )
   engines = {}
   for spec in (False, True):
-    engines[spec] = RolloutEngine(cfg, max_prompt_len=a.prompt_len, max_new_tokens=a.new_tokens, eos_id=EOS,
-                                  pad_id=PAD, dtype="float32", spec_decode=spec)
-  print(f"{'model':<10}{'temp':>5}{'accept':>8}{'tok/call':>10}{'steps':>7}{'plain s':>9}{'spec s':>8}"
-        f"{'speed-up':>10}")
+    engines[spec] = RolloutEngine(
+      cfg,
+      max_prompt_len=a.prompt_len,
+      max_new_tokens=a.new_tokens,
+      eos_id=EOS,
+      pad_id=PAD,
+      dtype="float32",
+      spec_decode=spec,
+    )
+  print(f"{'model':<10}{'temp':>5}{'accept':>8}{'tok/call':>10}{'steps':>7}{'plain s':>9}{'spec s':>8}{'speed-up':>10}")
   for name, var, markov in (("untrained", v, None), ("trained", trained, f)):
     prompts, lens = make_prompts(np.random.RandomState(2), a.batch, a.prompt_len, markov)
     for temp in (0.0, 1.0):
       for e in engines.values():
         e.temperature = temp
-      gen = lambda spec: (lambda i: engines[spec].generate(var, prompts, lens, jax.random.key(i)))
+      gen = lambda spec: lambda i: engines[spec].generate(var, prompts, lens, jax.random.key(i))
       out = jax.device_get(gen(True)(0))
       t_plain, t_spec = timed(gen(False), a.reps), timed(gen(True), a.reps)
-      print(f"{name:<10}{temp:>5.1f}{float(out['accept_rate']):>8.2f}{float(out['tokens_per_call']):>10.2f}"
-            f"{int(out['num_steps']):>7}{t_plain:>9.3f}{t_spec:>8.3f}{t_plain / t_spec:>9.2f}x")
+      print(
+        f"{name:<10}{temp:>5.1f}{float(out['accept_rate']):>8.2f}{float(out['tokens_per_call']):>10.2f}"
+        f"{int(out['num_steps']):>7}{t_plain:>9.3f}{t_spec:>8.3f}{t_plain / t_spec:>9.2f}x"
+      )
 
 
 def main():

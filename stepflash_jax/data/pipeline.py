@@ -46,9 +46,16 @@ def _check_positive(name: str, value: Any) -> int:
   return int(value)
 
 
-def example_dataset(*, mixture: str | Sequence[tasks.MixtureComponent] = "default", split: str = "train",
-                    seed: int = 0, data_seed: int | None = None, num_examples: int = DEFAULT_NUM_EXAMPLES,
-                    num_epochs: int | None = None, shuffle: bool = True) -> grain.MapDataset:
+def example_dataset(
+  *,
+  mixture: str | Sequence[tasks.MixtureComponent] = "default",
+  split: str = "train",
+  seed: int = 0,
+  data_seed: int | None = None,
+  num_examples: int = DEFAULT_NUM_EXAMPLES,
+  num_epochs: int | None = None,
+  shuffle: bool = True,
+) -> grain.MapDataset:
   """MapDataset of example dicts. data_seed (default = seed) fixes the problems, seed (0..2**32-1) the order.
   num_epochs None = infinite."""
   tasks.base.check_split(split)
@@ -74,26 +81,39 @@ def document(tokenizer: Tokenizer, example: dict, seq_len: int) -> dict:
   """One packable document: inputs / targets / loss_mask, each [T-1] (see module docstring)."""
   ids, mask = tokenizer.format_example(example["prompt"], example["answer"])
   if len(ids) - 1 > seq_len:
-    raise ValueError(f"seq_len={seq_len} is shorter than an example ({len(ids) - 1} tokens after the shift): "
-                     f"{example['family']} difficulty {example['difficulty']}; raise seq_len")
+    raise ValueError(
+      f"seq_len={seq_len} is shorter than an example ({len(ids) - 1} tokens after the shift): "
+      f"{example['family']} difficulty {example['difficulty']}; raise seq_len"
+    )
   return {"inputs": ids[:-1], "targets": ids[1:], "loss_mask": mask[1:]}
 
 
 def _collate_packed(rows: Sequence[dict]) -> dict:
   return {
-      "tokens": np.stack([r["inputs"] for r in rows]).astype(np.int32),
-      "targets": np.stack([r["targets"] for r in rows]).astype(np.int32),
-      "loss_mask": np.stack([r["loss_mask"] for r in rows]).astype(np.float32),
-      "segment_ids": np.stack([r["inputs_segment_ids"] for r in rows]).astype(np.int32),
-      "positions": np.stack([r["inputs_positions"] for r in rows]).astype(np.int32),
+    "tokens": np.stack([r["inputs"] for r in rows]).astype(np.int32),
+    "targets": np.stack([r["targets"] for r in rows]).astype(np.int32),
+    "loss_mask": np.stack([r["loss_mask"] for r in rows]).astype(np.float32),
+    "segment_ids": np.stack([r["inputs_segment_ids"] for r in rows]).astype(np.int32),
+    "positions": np.stack([r["inputs_positions"] for r in rows]).astype(np.int32),
   }
 
 
-def sft_dataset(tokenizer: Tokenizer, *, batch_size: int, seq_len: int,
-                mixture: str | Sequence[tasks.MixtureComponent] = "default", split: str = "train", seed: int = 0,
-                data_seed: int | None = None, num_examples: int = DEFAULT_NUM_EXAMPLES,
-                num_epochs: int | None = None, shuffle: bool = True, num_packing_bins: int | None = None,
-                drop_remainder: bool = True, num_threads: int = 0) -> grain.IterDataset:
+def sft_dataset(
+  tokenizer: Tokenizer,
+  *,
+  batch_size: int,
+  seq_len: int,
+  mixture: str | Sequence[tasks.MixtureComponent] = "default",
+  split: str = "train",
+  seed: int = 0,
+  data_seed: int | None = None,
+  num_examples: int = DEFAULT_NUM_EXAMPLES,
+  num_epochs: int | None = None,
+  shuffle: bool = True,
+  num_packing_bins: int | None = None,
+  drop_remainder: bool = True,
+  num_threads: int = 0,
+) -> grain.IterDataset:
   """IterDataset of packed SFT batches (dict format in the module docstring).
 
   num_packing_bins (default 2 * batch_size): rows packed at once by first-fit; more bins = less padding.
@@ -104,25 +124,49 @@ def sft_dataset(tokenizer: Tokenizer, *, batch_size: int, seq_len: int,
   bins = _check_positive("num_packing_bins", num_packing_bins or 2 * batch_size)
   if tokenizer.pad_id != 0:
     raise ValueError(f"tokenizer.pad_id must be 0 (padding of packed rows), got {tokenizer.pad_id}")
-  ds = example_dataset(mixture=mixture, split=split, seed=seed, data_seed=data_seed, num_examples=num_examples,
-                       num_epochs=num_epochs, shuffle=shuffle)
+  ds = example_dataset(
+    mixture=mixture,
+    split=split,
+    seed=seed,
+    data_seed=data_seed,
+    num_examples=num_examples,
+    num_epochs=num_epochs,
+    shuffle=shuffle,
+  )
   docs = ds.map(lambda ex: document(tokenizer, ex, seq_len)).to_iter_dataset(_read_options(num_threads))
-  return pack_and_batch(docs, batch_size=batch_size, seq_len=seq_len, num_packing_bins=bins, seed=seed,
-                        shuffle_bins=shuffle, drop_remainder=drop_remainder)
+  return pack_and_batch(
+    docs,
+    batch_size=batch_size,
+    seq_len=seq_len,
+    num_packing_bins=bins,
+    seed=seed,
+    shuffle_bins=shuffle,
+    drop_remainder=drop_remainder,
+  )
 
 
-def pack_and_batch(docs: grain.IterDataset, *, batch_size: int, seq_len: int, num_packing_bins: int,
-                   seed: int = 0, shuffle_bins: bool = True, drop_remainder: bool = True) -> grain.IterDataset:
+def pack_and_batch(
+  docs: grain.IterDataset,
+  *,
+  batch_size: int,
+  seq_len: int,
+  num_packing_bins: int,
+  seed: int = 0,
+  shuffle_bins: bool = True,
+  drop_remainder: bool = True,
+) -> grain.IterDataset:
   """First-fit packing (grain) of documents dict(inputs, targets, loss_mask) [T <= seq_len] into rows of
   seq_len, then batches of batch_size rows in the SFT batch format. Padding: 0 everywhere."""
   lengths = {"inputs": seq_len, "targets": seq_len, "loss_mask": seq_len}
-  ds = grain.experimental.FirstFitPackIterDataset(docs, length_struct=lengths, num_packing_bins=num_packing_bins,
-                                                  seed=seed, shuffle_bins=shuffle_bins)
+  ds = grain.experimental.FirstFitPackIterDataset(
+    docs, length_struct=lengths, num_packing_bins=num_packing_bins, seed=seed, shuffle_bins=shuffle_bins
+  )
   return ds.batch(batch_size, drop_remainder=drop_remainder, batch_fn=_collate_packed)
 
 
-def pad_prompts(prompts: Sequence[Sequence[int]], max_prompt_len: int, *, pad_id: int = 0,
-                pad_side: str = "left") -> dict:
+def pad_prompts(
+  prompts: Sequence[Sequence[int]], max_prompt_len: int, *, pad_id: int = 0, pad_side: str = "left"
+) -> dict:
   """tokens / lengths / segment_ids / positions of a list of prompt id lists (see module docstring)."""
   if pad_side not in ("left", "right"):
     raise ValueError(f"pad_side must be 'left' or 'right', got {pad_side!r}")
@@ -136,30 +180,52 @@ def pad_prompts(prompts: Sequence[Sequence[int]], max_prompt_len: int, *, pad_id
     if t > max_prompt_len or t == 0:
       raise ValueError(f"prompt {b} has {t} tokens; max_prompt_len={max_prompt_len} (and prompts must be non-empty)")
     start = max_prompt_len - t if pad_side == "left" else 0
-    tokens[b, start:start + t] = ids
-    segment_ids[b, start:start + t] = 1
-    positions[b, start:start + t] = np.arange(t)
+    tokens[b, start : start + t] = ids
+    segment_ids[b, start : start + t] = 1
+    positions[b, start : start + t] = np.arange(t)
     lengths[b] = t
   return {"tokens": tokens, "lengths": lengths, "segment_ids": segment_ids, "positions": positions}
 
 
-def prompt_dataset(tokenizer: Tokenizer, *, batch_size: int, max_prompt_len: int = 32,
-                   mixture: str | Sequence[tasks.MixtureComponent] = "default", split: str = "train",
-                   seed: int = 0, data_seed: int | None = None, num_examples: int = DEFAULT_NUM_EXAMPLES,
-                   num_epochs: int | None = None, shuffle: bool = True, pad_side: str = "left",
-                   drop_remainder: bool = True, num_threads: int = 0) -> grain.IterDataset:
+def prompt_dataset(
+  tokenizer: Tokenizer,
+  *,
+  batch_size: int,
+  max_prompt_len: int = 32,
+  mixture: str | Sequence[tasks.MixtureComponent] = "default",
+  split: str = "train",
+  seed: int = 0,
+  data_seed: int | None = None,
+  num_examples: int = DEFAULT_NUM_EXAMPLES,
+  num_epochs: int | None = None,
+  shuffle: bool = True,
+  pad_side: str = "left",
+  drop_remainder: bool = True,
+  num_threads: int = 0,
+) -> grain.IterDataset:
   """IterDataset of RL prompt batches (dict format in the module docstring). For a fixed held-out eval set use
   split="test", num_examples=N, num_epochs=1, shuffle=False, drop_remainder=False."""
   batch_size = _check_positive("batch_size", batch_size)
   max_prompt_len = _check_positive("max_prompt_len", max_prompt_len)
   if pad_side not in ("left", "right"):
     raise ValueError(f"pad_side must be 'left' or 'right', got {pad_side!r}")
-  ds = example_dataset(mixture=mixture, split=split, seed=seed, data_seed=data_seed, num_examples=num_examples,
-                       num_epochs=num_epochs, shuffle=shuffle)
+  ds = example_dataset(
+    mixture=mixture,
+    split=split,
+    seed=seed,
+    data_seed=data_seed,
+    num_examples=num_examples,
+    num_epochs=num_epochs,
+    shuffle=shuffle,
+  )
 
   def collate(examples: Sequence[dict]) -> dict:
-    batch = pad_prompts([tokenizer.format_prompt(ex["prompt"]) for ex in examples], max_prompt_len,
-                        pad_id=tokenizer.pad_id, pad_side=pad_side)
+    batch = pad_prompts(
+      [tokenizer.format_prompt(ex["prompt"]) for ex in examples],
+      max_prompt_len,
+      pad_id=tokenizer.pad_id,
+      pad_side=pad_side,
+    )
     batch["examples"] = list(examples)
     return batch
 
@@ -167,14 +233,17 @@ def prompt_dataset(tokenizer: Tokenizer, *, batch_size: int, max_prompt_len: int
   return ds.to_iter_dataset(_read_options(num_threads))
 
 
-def future_targets(targets: np.ndarray, loss_mask: np.ndarray, segment_ids: np.ndarray, k: int,
-                   pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def future_targets(
+  targets: np.ndarray, loss_mask: np.ndarray, segment_ids: np.ndarray, k: int, pad_id: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
   """Targets k further ahead for MTP module k-1 (k >= 1): out[b, t] = targets[b, t + k] and the mask of it,
   both zeroed where t + k leaves the row or the document (segment_ids differ). Works on NumPy or JAX arrays
   [B, L]; k = 0 returns the inputs."""
   if targets.shape != loss_mask.shape or targets.shape != segment_ids.shape or targets.ndim != 2:
-    raise ValueError(f"targets, loss_mask, segment_ids must share a [B, L] shape, got {targets.shape}, "
-                     f"{loss_mask.shape}, {segment_ids.shape}")
+    raise ValueError(
+      f"targets, loss_mask, segment_ids must share a [B, L] shape, got {targets.shape}, "
+      f"{loss_mask.shape}, {segment_ids.shape}"
+    )
   if k < 0:
     raise ValueError(f"k must be >= 0, got {k}")
   if k == 0:

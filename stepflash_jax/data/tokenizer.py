@@ -46,8 +46,9 @@ def default_cache_dir() -> str:
   return cache_dir("tokenizer")
 
 
-def corpus(families: Sequence[str] = DEFAULT_FAMILIES,
-           examples_per_setting: int = CORPUS_EXAMPLES_PER_SETTING) -> list[str]:
+def corpus(
+  families: Sequence[str] = DEFAULT_FAMILIES, examples_per_setting: int = CORPUS_EXAMPLES_PER_SETTING
+) -> list[str]:
   """Training lines: prompt and answer of `examples_per_setting` train examples per (family, difficulty,
   variant), seeds 0..n-1. Deterministic."""
   lines = []
@@ -64,17 +65,35 @@ def corpus(families: Sequence[str] = DEFAULT_FAMILIES,
 def _train_proto(lines: Iterable[str], vocab_size: int) -> bytes:
   buf = io.BytesIO()
   spm.SentencePieceTrainer.train(
-      sentence_iterator=iter(lines), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
-      character_coverage=1.0, byte_fallback=True, split_digits=True, add_dummy_prefix=False,
-      normalization_rule_name="identity", remove_extra_whitespaces=False, hard_vocab_limit=False,
-      pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-      user_defined_symbols=list(CHAT_SYMBOLS + MATH_SYMBOLS),
-      num_threads=1, minloglevel=2)
+    sentence_iterator=iter(lines),
+    model_writer=buf,
+    vocab_size=vocab_size,
+    model_type="bpe",
+    character_coverage=1.0,
+    byte_fallback=True,
+    split_digits=True,
+    add_dummy_prefix=False,
+    normalization_rule_name="identity",
+    remove_extra_whitespaces=False,
+    hard_vocab_limit=False,
+    pad_id=PAD_ID,
+    unk_id=UNK_ID,
+    bos_id=BOS_ID,
+    eos_id=EOS_ID,
+    user_defined_symbols=list(CHAT_SYMBOLS + MATH_SYMBOLS),
+    num_threads=1,
+    minloglevel=2,
+  )
   return buf.getvalue()
 
 
-def train_tokenizer(model_path: str, *, vocab_size: int = DEFAULT_VOCAB_SIZE,
-                    families: Sequence[str] = DEFAULT_FAMILIES, lines: Sequence[str] | None = None) -> str:
+def train_tokenizer(
+  model_path: str,
+  *,
+  vocab_size: int = DEFAULT_VOCAB_SIZE,
+  families: Sequence[str] = DEFAULT_FAMILIES,
+  lines: Sequence[str] | None = None,
+) -> str:
   """Trains the SentencePiece model on `lines` (default `corpus(families)`) and writes it atomically to
   `model_path`."""
   if not isinstance(vocab_size, int) or vocab_size < 300:
@@ -96,13 +115,14 @@ def model_filename(vocab_size: int = DEFAULT_VOCAB_SIZE, lines: Sequence[str] | 
   """Cache file name: a hash of the recipe version, vocab size and the corpus itself, so a change of any task
   generator retrains instead of loading a stale model."""
   h = hashlib.sha256(f"v{_VERSION}:{vocab_size}".encode())
-  for line in (corpus() if lines is None else lines):
+  for line in corpus() if lines is None else lines:
     h.update(line.encode() + b"\n")
   return f"sp_{vocab_size}_{h.hexdigest()[:12]}.model"
 
 
-def load_tokenizer(cache_dir: str | None = None, *, vocab_size: int = DEFAULT_VOCAB_SIZE,
-                   families: Sequence[str] = DEFAULT_FAMILIES) -> "Tokenizer":
+def load_tokenizer(
+  cache_dir: str | None = None, *, vocab_size: int = DEFAULT_VOCAB_SIZE, families: Sequence[str] = DEFAULT_FAMILIES
+) -> "Tokenizer":
   """The tokenizer cached in `cache_dir` (default `default_cache_dir()`), training it first if missing."""
   lines = corpus(families)
   path = os.path.join(cache_dir or default_cache_dir(), model_filename(vocab_size, lines))
@@ -121,19 +141,38 @@ class Tokenizer:
     self.sp = spm.SentencePieceProcessor(model_file=model_path)
     self.vocab_size = self.sp.vocab_size()
     self.pad_id, self.unk_id, self.bos_id, self.eos_id = (
-        self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id())
-    self.user_id, self.assistant_id, self.think_id, self.end_think_id = (
-        self.sp.piece_to_id(s) for s in CHAT_SYMBOLS)
+      self.sp.pad_id(),
+      self.sp.unk_id(),
+      self.sp.bos_id(),
+      self.sp.eos_id(),
+    )
+    self.user_id, self.assistant_id, self.think_id, self.end_think_id = (self.sp.piece_to_id(s) for s in CHAT_SYMBOLS)
     expected = (PAD_ID, UNK_ID, BOS_ID, EOS_ID, 4, 5, 6, 7)
-    got = (self.pad_id, self.unk_id, self.bos_id, self.eos_id, self.user_id, self.assistant_id, self.think_id,
-           self.end_think_id)
+    got = (
+      self.pad_id,
+      self.unk_id,
+      self.bos_id,
+      self.eos_id,
+      self.user_id,
+      self.assistant_id,
+      self.think_id,
+      self.end_think_id,
+    )
     if got != expected:
       raise ValueError(f"model_path {model_path!r} has special ids {got}, expected {expected}")
 
   @property
   def special_ids(self) -> dict[str, int]:
-    return {"pad": self.pad_id, "unk": self.unk_id, "bos": self.bos_id, "eos": self.eos_id, USER: self.user_id,
-            ASSISTANT: self.assistant_id, THINK_OPEN: self.think_id, THINK_CLOSE: self.end_think_id}
+    return {
+      "pad": self.pad_id,
+      "unk": self.unk_id,
+      "bos": self.bos_id,
+      "eos": self.eos_id,
+      USER: self.user_id,
+      ASSISTANT: self.assistant_id,
+      THINK_OPEN: self.think_id,
+      THINK_CLOSE: self.end_think_id,
+    }
 
   def encode(self, text: str) -> list[int]:
     """Token ids of `text` (no bos/eos added)."""

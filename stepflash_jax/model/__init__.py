@@ -3,6 +3,7 @@
 Variables are a plain dict pytree {"params": ..., "router": ...}: "params" carries gradients, "router" holds the
 MoE selection biases (updated by the aux-loss-free rule, never by gradients).
 """
+
 import functools
 
 import flax.linen as nn
@@ -38,14 +39,14 @@ def init(cfg, rng, head: str = "lm"):
   abstract = abstract_variables(args, head)
   paths, tree = jax.tree_util.tree_flatten_with_path(abstract)
 
-  def sample(rng):   # one random draw sliced into leaves: compiles in a fraction of a second
+  def sample(rng):  # one random draw sliced into leaves: compiles in a fraction of a second
     sizes = [x.size for _, x in paths]
     flat = args.init_std * jax.random.normal(rng, (sum(sizes),), jnp.float32)
     out, off = [], 0
     for (path, x), n in zip(paths, sizes):
       names = [getattr(p, "key", "") for p in path]
       zero = names[-1] in ("scale", "router_bias") or "value_head" in names
-      out.append(jnp.zeros(x.shape, x.dtype) if zero else flat[off:off + n].reshape(x.shape).astype(x.dtype))
+      out.append(jnp.zeros(x.shape, x.dtype) if zero else flat[off : off + n].reshape(x.shape).astype(x.dtype))
       off += n
     return jax.tree.unflatten(tree, out)
 
@@ -64,14 +65,24 @@ def logical_axes(cfg, head: str = "lm"):
   return nn.get_partition_spec(jax.eval_shape(lambda: _boxed_init(args, jax.random.key(0), head)))
 
 
-def apply(cfg, variables, tokens, *, positions=None, segment_ids=None, mtp=False, head="lm", stats=False,
-          cache=None, cache_index=None):
+def apply(
+  cfg,
+  variables,
+  tokens,
+  *,
+  positions=None,
+  segment_ids=None,
+  mtp=False,
+  head="lm",
+  stats=False,
+  cache=None,
+  cache_index=None,
+):
   """Run the model. Returns the output dict (and the sown "moe_stats" tree if stats=True)."""
   model = build(cfg, head)
   variables = {k: variables[k] for k in COLLECTIONS if k in variables}
   if stats:
-    out, st = model.apply(variables, tokens, positions, segment_ids, cache, cache_index, mtp,
-                          mutable=["moe_stats"])
+    out, st = model.apply(variables, tokens, positions, segment_ids, cache, cache_index, mtp, mutable=["moe_stats"])
     return out, st.get("moe_stats", {})
   return model.apply(variables, tokens, positions, segment_ids, cache, cache_index, mtp)
 

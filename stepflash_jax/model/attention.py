@@ -11,6 +11,7 @@ Two call modes:
     tokens are written at columns `cache_index + t` (slot = column % S: a ring buffer when S < total length, as in
     sliding-window layers). Keys are the old cache plus the new tokens, masked by their stored positions.
 """
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,7 @@ def cached_attention(q, k, v, q_pos, k_pos, window):
   """
   B, Tq, Hq, D = q.shape
   Hkv = k.shape[2]
-  qg = q.astype(jnp.float32).reshape(B, Tq, Hkv, Hq // Hkv, D) * D ** -0.5
+  qg = q.astype(jnp.float32).reshape(B, Tq, Hkv, Hq // Hkv, D) * D**-0.5
   s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32))
   qp, kp = q_pos[:, :, None], k_pos[:, None, :]
   vis = (kp >= 0) & (kp <= qp)
@@ -50,15 +51,17 @@ def write_cache(cache, k, v, pos, index):
   where rows advance by different amounts)."""
   S, Tn = cache["pos"].shape[1], k.shape[1]
   index = jnp.asarray(index, jnp.int32)
-  if Tn > S:   # only the last S new tokens can survive in the ring
+  if Tn > S:  # only the last S new tokens can survive in the ring
     k, v, pos, index, Tn = k[:, -S:], v[:, -S:], pos[:, -S:], index + Tn - S, S
   if index.ndim == 0:
     rows, slots = slice(None), (index + jnp.arange(Tn)) % S
   else:
-    rows, slots = jnp.arange(k.shape[0])[:, None], (index[:, None] + jnp.arange(Tn)) % S   # [B, Tn]
-  return {"k": cache["k"].at[rows, slots].set(k.astype(cache["k"].dtype)),
-          "v": cache["v"].at[rows, slots].set(v.astype(cache["v"].dtype)),
-          "pos": cache["pos"].at[rows, slots].set(pos)}
+    rows, slots = jnp.arange(k.shape[0])[:, None], (index[:, None] + jnp.arange(Tn)) % S  # [B, Tn]
+  return {
+    "k": cache["k"].at[rows, slots].set(k.astype(cache["k"].dtype)),
+    "v": cache["v"].at[rows, slots].set(v.astype(cache["v"].dtype)),
+    "pos": cache["pos"].at[rows, slots].set(pos),
+  }
 
 
 class Attention(nn.Module):
@@ -83,8 +86,9 @@ class Attention(nn.Module):
     q = jnp.einsum("bth,hnd->btnd", x, Weight((H, Hq, D), ("embed", "heads", "head_dim"), name="q_proj", **kw)())
     k = jnp.einsum("bth,hnd->btnd", x, Weight((H, Hkv, D), ("embed", "kv_heads", "head_dim"), name="k_proj", **kw)())
     v = jnp.einsum("bth,hnd->btnd", x, Weight((H, Hkv, D), ("embed", "kv_heads", "head_dim"), name="v_proj", **kw)())
-    g = jnp.einsum("bth,hn->btn", x, Weight((H, Hq), ("embed", "heads"), name="g_proj", **kw)(),
-                   preferred_element_type=jnp.float32)
+    g = jnp.einsum(
+      "bth,hn->btn", x, Weight((H, Hq), ("embed", "heads"), name="g_proj", **kw)(), preferred_element_type=jnp.float32
+    )
     norm = dict(eps=self.eps, axis_name="head_dim", dtype=self.dtype, param_dtype=self.param_dtype)
     q = apply_rope(RMSNorm(name="q_norm", **norm)(q), positions, self.inv_freq)
     k = apply_rope(RMSNorm(name="k_norm", **norm)(k), positions, self.inv_freq)
@@ -94,16 +98,23 @@ class Attention(nn.Module):
 
     new_cache = None
     if cache is None:
-      o = ops.sliding_window_attention(q, k, v, window=self.window, segment_ids=segment_ids,
-                                       implementation=self.implementation)
+      o = ops.sliding_window_attention(
+        q, k, v, window=self.window, segment_ids=segment_ids, implementation=self.implementation
+      )
     else:
       valid = jnp.ones(positions.shape, bool) if segment_ids is None else segment_ids > 0
       pos = jnp.where(valid, positions, -1).astype(jnp.int32)
-      o = cached_attention(q, jnp.concatenate([cache["k"].astype(k.dtype), k], 1),
-                           jnp.concatenate([cache["v"].astype(v.dtype), v], 1),
-                           pos, jnp.concatenate([cache["pos"], pos], 1), self.window)
+      o = cached_attention(
+        q,
+        jnp.concatenate([cache["k"].astype(k.dtype), k], 1),
+        jnp.concatenate([cache["v"].astype(v.dtype), v], 1),
+        pos,
+        jnp.concatenate([cache["pos"], pos], 1),
+        self.window,
+      )
       new_cache = write_cache(cache, k, v, pos, cache_index)
-    o = o * jax.nn.sigmoid(g)[..., None].astype(o.dtype)            # head-wise output gate
-    out = jnp.einsum("btnd,ndh->bth", o.astype(self.dtype),
-                     Weight((Hq, D, H), ("heads", "head_dim", "embed"), name="o_proj", **kw)())
+    o = o * jax.nn.sigmoid(g)[..., None].astype(o.dtype)  # head-wise output gate
+    out = jnp.einsum(
+      "btnd,ndh->bth", o.astype(self.dtype), Weight((Hq, D, H), ("heads", "head_dim", "embed"), name="o_proj", **kw)()
+    )
     return out, new_cache

@@ -6,6 +6,7 @@ layers and min(total, window + lookahead) for sliding-window layers, so SWA memo
 still in a query's window from being overwritten by tokens written in the same call.
 The tree mirrors the parameter tree: layer_{i}, blocks/sub_{j} (stacked over blocks) and mtp_{k}.
 """
+
 import jax
 import jax.numpy as jnp
 
@@ -15,9 +16,11 @@ from stepflash_jax.config import LayerSpec, ModelArgs
 def _layer_cache(a: ModelArgs, spec: LayerSpec, batch, length, lookahead, dtype, stack=None):
   S = length if spec.window is None else min(length, spec.window + lookahead)
   lead = () if stack is None else (stack,)
-  return {"k": jnp.zeros(lead + (batch, S, a.num_kv_heads, a.head_dim), dtype),
-          "v": jnp.zeros(lead + (batch, S, a.num_kv_heads, a.head_dim), dtype),
-          "pos": jnp.full(lead + (batch, S), -1, jnp.int32)}
+  return {
+    "k": jnp.zeros(lead + (batch, S, a.num_kv_heads, a.head_dim), dtype),
+    "v": jnp.zeros(lead + (batch, S, a.num_kv_heads, a.head_dim), dtype),
+    "pos": jnp.full(lead + (batch, S), -1, jnp.int32),
+  }
 
 
 def init_cache(a: ModelArgs, batch: int, length: int, lookahead: int = 0, dtype=None, mtp: bool = False):
@@ -29,8 +32,9 @@ def init_cache(a: ModelArgs, batch: int, length: int, lookahead: int = 0, dtype=
     if not start <= i < start + period * n:
       cache[f"layer_{i}"] = _layer_cache(a, spec, batch, length, lookahead, dtype)
   if n:
-    cache["blocks"] = {f"sub_{j}": _layer_cache(a, a.layers[start + j], batch, length, lookahead, dtype, stack=n)
-                       for j in range(period)}
+    cache["blocks"] = {
+      f"sub_{j}": _layer_cache(a, a.layers[start + j], batch, length, lookahead, dtype, stack=n) for j in range(period)
+    }
   if mtp:
     cache["mtp"] = [_layer_cache(a, s, batch, length, lookahead, dtype) for s in a.mtp_layers]
   return cache

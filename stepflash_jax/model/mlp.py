@@ -2,6 +2,7 @@
 
 Clamped SwiGLU: y = (min(silu(x W_gate), L) * clip(x W_up, -L, L)) W_down; L = 0 means no clamp.
 """
+
 from typing import Sequence
 
 import flax.linen as nn
@@ -22,6 +23,7 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, limit) -> jax.Array:
 
 class Weight(nn.Module):
   """One weight leaf named `kernel`, with logical axis names; returned cast to `dtype`."""
+
   shape: Sequence[int]
   axes: Sequence[str]
   init_std: float = 0.02
@@ -32,13 +34,13 @@ class Weight(nn.Module):
   @nn.compact
   def __call__(self):
     init = nn.initializers.zeros_init() if self.zero_init else nn.initializers.normal(stddev=self.init_std)
-    w = self.param("kernel", nn.with_logical_partitioning(init, tuple(self.axes)), tuple(self.shape),
-                   self.param_dtype)
+    w = self.param("kernel", nn.with_logical_partitioning(init, tuple(self.axes)), tuple(self.shape), self.param_dtype)
     return w.astype(self.dtype)
 
 
 class MLP(nn.Module):
   """x [B, T, H] -> [B, T, H]; gate_proj/up_proj [H, I], down_proj [I, H] (kernels are [in, out])."""
+
   hidden: int
   width: int
   init_std: float = 0.02

@@ -11,6 +11,7 @@ scales with the routed rows, not with the number of experts. Under parallel.use_
 (parallel/expert_parallel.py: same result, tokens exchanged between the devices holding their experts).
 Statistics for load balancing and routing confidence are sown into the "moe_stats" collection (`apply(..., mutable=["moe_stats"])`).
 """
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -37,11 +38,11 @@ def expert_ffn(x, chosen, wg, wu, wd, limit, implementation):
   E = wg.shape[0]
   flat = chosen.reshape(-1)
   order = jnp.argsort(flat, stable=True)
-  rows = x[order // k]                                                   # [N*k, H] sorted by expert
+  rows = x[order // k]  # [N*k, H] sorted by expert
   sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
   gmm = lambda a, w: ops.grouped_matmul(a, w, sizes, implementation=implementation)
   h = clamped_swiglu(gmm(rows, wg), gmm(rows, wu), limit).astype(x.dtype)
-  y = gmm(h, wd)                                                         # [N*k, H]
+  y = gmm(h, wd)  # [N*k, H]
   return jnp.zeros_like(y).at[order].set(y).reshape(N, k, -1)
 
 
@@ -72,10 +73,12 @@ class MoE(nn.Module):
     B, T, H = x.shape
     E, F = self.num_experts, self.width
     kw = dict(init_std=self.init_std, dtype=self.dtype, param_dtype=self.param_dtype)
-    router = Weight((H, E), ("embed", "expert"), name="router", init_std=self.init_std, dtype=jnp.float32,
-                    param_dtype=jnp.float32)()
-    bias = self.variable("router", "router_bias",
-                         nn.with_logical_partitioning(lambda: jnp.zeros((E,), jnp.float32), ("expert",)))
+    router = Weight(
+      (H, E), ("embed", "expert"), name="router", init_std=self.init_std, dtype=jnp.float32, param_dtype=jnp.float32
+    )()
+    bias = self.variable(
+      "router", "router_bias", nn.with_logical_partitioning(lambda: jnp.zeros((E,), jnp.float32), ("expert",))
+    )
     wg = Weight((E, H, F), ("expert", "embed", "mlp"), name="gate_proj", **kw)()
     wu = Weight((E, H, F), ("expert", "embed", "mlp"), name="up_proj", **kw)()
     wd = Weight((E, F, H), ("expert", "mlp", "embed"), name="down_proj", **kw)()
@@ -83,7 +86,7 @@ class MoE(nn.Module):
     xf = x.reshape(B * T, H).astype(self.dtype)
     scores, chosen, w = route(xf, router, bias.value, self.top_k, self.routed_scaling_factor, self.renormalize)
     mode = self._ep_mode()
-    if expert_parallel.active(mode):   # tokens travel to the devices holding their experts (shard_map)
+    if expert_parallel.active(mode):  # tokens travel to the devices holding their experts (shard_map)
       y = expert_parallel.moe_experts(xf, chosen, w, wg, wu, wd, limit, mode=mode, implementation=self.implementation)
     else:
       y = expert_ffn(xf, chosen, wg, wu, wd, limit, self.implementation)
@@ -108,11 +111,13 @@ def update_router_bias(router, stats, rate: float):
 
   `router` is the "router" collection, `stats` the sown "moe_stats" tree of the same step (same module paths).
   """
+
   def walk(r, s):
     if "router_bias" in r:
       load = s["load"][0]
       return {**r, "router_bias": r["router_bias"] + rate * jnp.sign(load.mean(-1, keepdims=True) - load)}
     return {k: walk(v, s[k]) for k, v in r.items()}
+
   return walk(router, stats)
 
 
@@ -120,9 +125,10 @@ def ep_balance_loss(stats, groups: int, top_k: int):
   """EP-group balance loss (STEP35.md §2), mean over MoE layers: G * sum_g (sum_{e in g} f_e)(sum_{e in g} p_e),
   f_e = fraction of the top-k slots given to e, p_e = mean routing probability of e. Differentiable through p."""
   losses = []
+
   def walk(s):
     if "load" in s:
-      load, p = s["load"][0], s["prob_mean"][0]                   # [..., E]
+      load, p = s["load"][0], s["prob_mean"][0]  # [..., E]
       f = load / jnp.maximum(load.sum(-1, keepdims=True), 1.0)
       fg = f.reshape(f.shape[:-1] + (groups, -1)).sum(-1)
       pg = p.reshape(p.shape[:-1] + (groups, -1)).sum(-1)
@@ -130,6 +136,7 @@ def ep_balance_loss(stats, groups: int, top_k: int):
     else:
       for v in s.values():
         walk(v)
+
   walk(stats)
   return jnp.concatenate(losses).mean() if losses else jnp.float32(0)
 

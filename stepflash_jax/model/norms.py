@@ -1,4 +1,5 @@
 """Zero-centred RMSNorm (STEP35.md §1): y = x * rsqrt(mean(x^2) + eps) * (1 + w), w initialised to 0, fp32."""
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 class RMSNorm(nn.Module):
   """Normalises the last axis in fp32 and returns `dtype` (default float32)."""
+
   eps: float = 1e-5
   axis_name: str = "embed"
   dtype: jnp.dtype = jnp.float32
@@ -20,6 +22,10 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.zeros_init(), (self.axis_name,)),
-                       (x.shape[-1],), self.param_dtype)
+    scale = self.param(
+      "scale",
+      nn.with_logical_partitioning(nn.initializers.zeros_init(), (self.axis_name,)),
+      (x.shape[-1],),
+      self.param_dtype,
+    )
     return rms_norm(x, scale, self.eps).astype(self.dtype)

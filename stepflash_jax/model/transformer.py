@@ -6,10 +6,8 @@ published 45-layer model and the toy configs run the same code. Layers `scan[0] 
 as `blocks/sub_{j}` with a leading "layers" axis; the others are `layer_{i}`. Per-layer clamp limits are scan
 inputs, so blocks that differ only in their clamps still share one compiled body.
 """
-from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -24,6 +22,7 @@ ACT = ("batch", "length", "embed")
 
 class DecoderLayer(nn.Module):
   """Pre-norm block: x + Attn(norm(x)), then x + FFN(norm(x)) with FFN = dense SwiGLU or MoE."""
+
   spec: LayerSpec
   args: ModelArgs
 
@@ -33,15 +32,35 @@ class DecoderLayer(nn.Module):
     lim, shared_lim = (s.ffn_limit, s.shared_limit) if limits is None else (limits[0], limits[1])
     dt = dict(dtype=a.dtype, param_dtype=a.param_dtype)
     h = RMSNorm(a.eps, name="input_norm", **dt)(x)
-    out, cache = Attention(a.hidden_size, s.num_heads, a.num_kv_heads, a.head_dim, s.window, s.inv_freq, a.eps,
-                           a.init_std, a.attention_impl, name="attn", **dt)(h, positions, segment_ids, cache,
-                                                                            cache_index)
+    out, cache = Attention(
+      a.hidden_size,
+      s.num_heads,
+      a.num_kv_heads,
+      a.head_dim,
+      s.window,
+      s.inv_freq,
+      a.eps,
+      a.init_std,
+      a.attention_impl,
+      name="attn",
+      **dt,
+    )(h, positions, segment_ids, cache, cache_index)
     x = nn.with_logical_constraint(x + out, ACT)
     h = RMSNorm(a.eps, name="post_attn_norm", **dt)(x)
     if s.moe:
-      out = MoE(a.hidden_size, a.num_experts, a.top_k, a.moe_intermediate_size, a.shared_intermediate_size,
-                a.routed_scaling_factor, a.norm_expert_weight, a.init_std, a.moe_impl, name="moe",
-                **dt)(h, token_mask, lim, shared_lim)
+      out = MoE(
+        a.hidden_size,
+        a.num_experts,
+        a.top_k,
+        a.moe_intermediate_size,
+        a.shared_intermediate_size,
+        a.routed_scaling_factor,
+        a.norm_expert_weight,
+        a.init_std,
+        a.moe_impl,
+        name="moe",
+        **dt,
+      )(h, token_mask, lim, shared_lim)
     else:
       out = MLP(a.hidden_size, a.intermediate_size, a.init_std, name="mlp", **dt)(h, lim)
     return nn.with_logical_constraint(x + out, ACT), cache
@@ -49,6 +68,7 @@ class DecoderLayer(nn.Module):
 
 class Block(nn.Module):
   """`period` consecutive decoder layers; the body of the scan. Carry: x. Scanned inputs: limits, cache."""
+
   specs: tuple
   args: ModelArgs
 
@@ -57,14 +77,16 @@ class Block(nn.Module):
     new = {}
     for j, spec in enumerate(self.specs):
       name = f"sub_{j}"
-      x, c = DecoderLayer(spec, self.args, name=name)(x, positions, segment_ids, token_mask, limits[j],
-                                                      None if cache is None else cache[name], cache_index)
+      x, c = DecoderLayer(spec, self.args, name=name)(
+        x, positions, segment_ids, token_mask, limits[j], None if cache is None else cache[name], cache_index
+      )
       new[name] = c
     return x, (None if cache is None else new)
 
 
 class MTPModule(nn.Module):
   """h_k = Layer_k(eh_proj([enorm(embed(token_{t+k})), hnorm(h_{k-1})])); logits_k = head_k(norm_k(h_k))."""
+
   spec: LayerSpec
   args: ModelArgs
 
@@ -73,13 +95,14 @@ class MTPModule(nn.Module):
     a = self.args
     dt = dict(dtype=a.dtype, param_dtype=a.param_dtype)
     z = jnp.concatenate([RMSNorm(a.eps, name="enorm", **dt)(emb), RMSNorm(a.eps, name="hnorm", **dt)(h_prev)], -1)
-    z = z @ Weight((2 * a.hidden_size, a.hidden_size), ("concat_embed", "embed"), a.init_std, name="eh_proj",
-                   **dt)()
-    h, cache = DecoderLayer(self.spec, a, name="layer")(z, positions, segment_ids, token_mask, None, cache,
-                                                       cache_index)
+    z = z @ Weight((2 * a.hidden_size, a.hidden_size), ("concat_embed", "embed"), a.init_std, name="eh_proj", **dt)()
+    h, cache = DecoderLayer(self.spec, a, name="layer")(z, positions, segment_ids, token_mask, None, cache, cache_index)
     hn = RMSNorm(a.eps, name="final_norm", **dt)(h)
-    logits = jnp.dot(hn, Weight((a.hidden_size, a.vocab_size), ("embed", "vocab"), a.init_std, name="head", **dt)(),
-                     preferred_element_type=jnp.float32)
+    logits = jnp.dot(
+      hn,
+      Weight((a.hidden_size, a.vocab_size), ("embed", "vocab"), a.init_std, name="head", **dt)(),
+      preferred_element_type=jnp.float32,
+    )
     return h, logits, cache
 
 
@@ -90,27 +113,43 @@ class Transformer(nn.Module):
   keep packed documents apart; positions [B, T] restart per document. With `cache` (see model/cache.py) the call
   is a prefill/decode step writing at columns cache_index.. .
   """
+
   args: ModelArgs
-  head: str = "lm"          # "lm" | "value" (critic: a zero-initialised scalar head, no MTP)
+  head: str = "lm"  # "lm" | "value" (critic: a zero-initialised scalar head, no MTP)
 
   def setup(self):
     a = self.args
     dt = dict(dtype=a.dtype, param_dtype=a.param_dtype)
-    self.embed = nn.Embed(a.vocab_size, a.hidden_size, param_dtype=a.param_dtype, name="embed",
-                          embedding_init=nn.with_logical_partitioning(nn.initializers.normal(a.init_std),
-                                                                      ("vocab", "embed")))
+    self.embed = nn.Embed(
+      a.vocab_size,
+      a.hidden_size,
+      param_dtype=a.param_dtype,
+      name="embed",
+      embedding_init=nn.with_logical_partitioning(nn.initializers.normal(a.init_std), ("vocab", "embed")),
+    )
     start, period, n = a.scan if a.scan else (len(a.layers), 0, 0)
     self.unrolled = [i for i in range(len(a.layers)) if not start <= i < start + period * n]
     self.layer = {i: DecoderLayer(a.layers[i], a) for i in self.unrolled}
     if n:
       body = nn.remat(Block, prevent_cse=False) if a.remat else Block
-      self.blocks = nn.scan(body, variable_axes={"params": 0, "router": 0, "moe_stats": 0},
-                            split_rngs={"params": True}, length=n,
-                            in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
-                            metadata_params={nn.PARTITION_NAME: "layers"})(a.layers[start:start + period], a)
-      self.block_limits = np.array([[[a.layers[start + b * period + j].ffn_limit,
-                                      a.layers[start + b * period + j].shared_limit] for j in range(period)]
-                                    for b in range(n)], np.float32)
+      self.blocks = nn.scan(
+        body,
+        variable_axes={"params": 0, "router": 0, "moe_stats": 0},
+        split_rngs={"params": True},
+        length=n,
+        in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+        metadata_params={nn.PARTITION_NAME: "layers"},
+      )(a.layers[start : start + period], a)
+      self.block_limits = np.array(
+        [
+          [
+            [a.layers[start + b * period + j].ffn_limit, a.layers[start + b * period + j].shared_limit]
+            for j in range(period)
+          ]
+          for b in range(n)
+        ],
+        np.float32,
+      )
     self.final_norm = RMSNorm(a.eps, **dt)
     if self.head == "lm":
       self.lm_head = Weight((a.hidden_size, a.vocab_size), ("embed", "vocab"), a.init_std, **dt)
@@ -128,8 +167,9 @@ class Transformer(nn.Module):
     for i in [i for i in self.unrolled if i < start]:
       x, new_cache[f"layer_{i}"] = self.layer[i](x, positions, segment_ids, mask, None, get(f"layer_{i}"), cache_index)
     if n:
-      x, new_cache["blocks"] = self.blocks(x, jnp.asarray(self.block_limits), get("blocks"), positions, segment_ids,
-                                           mask, cache_index)
+      x, new_cache["blocks"] = self.blocks(
+        x, jnp.asarray(self.block_limits), get("blocks"), positions, segment_ids, mask, cache_index
+      )
     for i in [i for i in self.unrolled if i >= start]:
       x, new_cache[f"layer_{i}"] = self.layer[i](x, positions, segment_ids, mask, None, get(f"layer_{i}"), cache_index)
     return x, new_cache
@@ -150,7 +190,7 @@ class Transformer(nn.Module):
       h, mtp_logits = hidden, []
       mask = None if segment_ids is None else segment_ids > 0
       for k, module in enumerate(self.mtp):
-        shifted = jnp.pad(tokens[:, k + 1:], ((0, 0), (0, k + 1)))
+        shifted = jnp.pad(tokens[:, k + 1 :], ((0, 0), (0, k + 1)))
         h, logits, _ = module(h, self.embed(shifted).astype(self.args.dtype), positions, segment_ids, mask)
         mtp_logits.append(logits)
       out["mtp_logits"] = tuple(mtp_logits)
@@ -158,5 +198,12 @@ class Transformer(nn.Module):
 
   def mtp_step(self, k, h_prev, tokens, positions, segment_ids=None, cache=None, cache_index=None):
     """One MTP module on given inputs (drafting): returns (h_k, logits_k, new_cache)."""
-    return self.mtp[k](h_prev, self.embed(tokens).astype(self.args.dtype), positions, segment_ids,
-                       None if segment_ids is None else segment_ids > 0, cache, cache_index)
+    return self.mtp[k](
+      h_prev,
+      self.embed(tokens).astype(self.args.dtype),
+      positions,
+      segment_ids,
+      None if segment_ids is None else segment_ids > 0,
+      cache,
+      cache_index,
+    )

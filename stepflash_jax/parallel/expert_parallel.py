@@ -25,6 +25,7 @@ and differs only in how tokens reach their experts:
   "auto"    "ragged" on TPU and GPU, "gather" elsewhere.
 A strategy may carry a capacity factor: "a2a:1.5", "ragged:2".
 """
+
 from __future__ import annotations
 
 import math
@@ -73,6 +74,7 @@ def active(mode: str | None) -> bool:
 def _layout(mesh, E, H, F):
   """(token axes, EP axes, TP axes) from the active logical-axis rules (defaults if none are set)."""
   from stepflash_jax.parallel.mesh import DEFAULT_RULES, resolve
+
   rules = nn.get_logical_axis_rules() or DEFAULT_RULES
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   tok = resolve(("batch",), rules)[0]
@@ -85,6 +87,7 @@ def _layout(mesh, E, H, F):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Local expert computation
+
 
 def _sort_by_expert(key, num_groups):
   """key [M] int in [0, num_groups] (num_groups = no group) -> (order, group sizes [num_groups])."""
@@ -138,11 +141,12 @@ def _linear_index(axes, sizes):
 # ---------------------------------------------------------------------------------------------------------------
 # Strategies (bodies of the shard_map; per-device shapes)
 
+
 def _gather(x, chosen, weights, wg, wu, wd, limit, *, ep_axes, g_axes, rest_axes, tp_axes, sizes, implementation):
   """All-gather the tokens over g_axes, compute local experts, reduce-scatter back; psum over EP axes the tokens
   are replicated on (rest_axes) and over TP."""
   E_loc = wg.shape[0]
-  e0 = _linear_index(ep_axes, sizes) * E_loc               # the weight block this device holds
+  e0 = _linear_index(ep_axes, sizes) * E_loc  # the weight block this device holds
   if g_axes:
     x, chosen, weights = (lax.all_gather(a, g_axes, axis=0, tiled=True) for a in (x, chosen, weights))
   y = _local_combine(x, chosen, weights, wg, wu, wd, limit, e0, implementation)
@@ -162,26 +166,25 @@ def _a2a(x, chosen, weights, wg, wu, wd, limit, *, axis, ep, capacity, tp_axes, 
   counts = jnp.zeros((ep,), jnp.int32).at[dest].add(1)
   rank = jnp.arange(n * k) - (jnp.cumsum(counts) - counts)[sdest]
   keep = rank < capacity
-  slot = jnp.where(keep, rank, capacity)                                  # capacity = out of bounds: dropped
+  slot = jnp.where(keep, rank, capacity)  # capacity = out of bounds: dropped
   buf_x = jnp.zeros((ep, capacity, H), x.dtype).at[sdest, slot].set(x[order // k], mode="drop")
   buf_e = jnp.full((ep, capacity), E_loc, jnp.int32).at[sdest, slot].set(flat[order] - sdest * E_loc, mode="drop")
-  recv_x = lax.all_to_all(buf_x, axis, 0, 0)                              # [src, C, H]
+  recv_x = lax.all_to_all(buf_x, axis, 0, 0)  # [src, C, H]
   recv_e = lax.all_to_all(buf_e, axis, 0, 0)
   out = _expert_rows(recv_x.reshape(ep * capacity, H), recv_e.reshape(-1), wg, wu, wd, limit, implementation)
-  back = lax.all_to_all(out.reshape(ep, capacity, H), axis, 0, 0)        # [dest, C, H]
+  back = lax.all_to_all(out.reshape(ep, capacity, H), axis, 0, 0)  # [dest, C, H]
   ys = jnp.where(keep[:, None], back[sdest, jnp.minimum(slot, capacity - 1)], 0)
   y = jnp.zeros((n * k, H), x.dtype).at[order].set(ys).reshape(n, k, H)
   y = jnp.einsum("nkh,nk->nh", y.astype(jnp.float32), weights)
   return _psum(y, tp_axes), jnp.max(counts) > capacity
 
 
-def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                                axis_name):
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
   """lax.ragged_all_to_all semantics built from all_gather (for backends without the collective)."""
   del recv_sizes
   ep = lax.axis_size(axis_name)
   me = lax.axis_index(axis_name)
-  allx = lax.all_gather(operand, axis_name)                               # [src, A, H]
+  allx = lax.all_gather(operand, axis_name)  # [src, A, H]
   ioff, send, ooff = (lax.all_gather(a, axis_name) for a in (input_offsets, send_sizes, output_offsets))
   r = jnp.arange(output.shape[0])
   for s in range(ep):
@@ -198,24 +201,24 @@ def _ragged(x, chosen, weights, wg, wu, wd, limit, *, axis, ep, capacity, tp_axe
   E_loc, H = wg.shape[0], x.shape[1]
   a2a = _emulated_ragged_all_to_all if emulate else lax.ragged_all_to_all
   flat = chosen.reshape(-1)
-  order = jnp.argsort(flat, stable=True)                                  # by expert = by destination device
+  order = jnp.argsort(flat, stable=True)  # by expert = by destination device
   rows = x[order // k]
   counts = jnp.zeros((ep * E_loc,), jnp.int32).at[flat].add(1).reshape(ep, E_loc)
   send = counts.sum(1)
   in_off = jnp.cumsum(send) - send
-  recv_counts = lax.all_to_all(counts, axis, 0, 0)                        # [src, E_loc]
+  recv_counts = lax.all_to_all(counts, axis, 0, 0)  # [src, E_loc]
   recv = recv_counts.sum(1)
-  recv_off = jnp.cumsum(recv) - recv                                      # receive buffer laid out by source
-  out_off = lax.all_to_all(recv_off, axis, 0, 0, tiled=True)              # where my slice lands at each peer
+  recv_off = jnp.cumsum(recv) - recv  # receive buffer laid out by source
+  out_off = lax.all_to_all(recv_off, axis, 0, 0, tiled=True)  # where my slice lands at each peer
   overflow = jnp.sum(recv) > capacity
-  recv = jnp.where(overflow, 0, recv)                                     # overflow: the result is discarded
+  recv = jnp.where(overflow, 0, recv)  # overflow: the result is discarded
   send = lax.all_to_all(recv, axis, 0, 0, tiled=True)
   buf = a2a(rows, jnp.zeros((capacity, H), x.dtype), in_off, send, out_off, recv, axis_name=axis)
-  ends = jnp.cumsum(jnp.where(overflow, 0, recv_counts).reshape(-1))      # (source, expert) segments of buf
+  ends = jnp.cumsum(jnp.where(overflow, 0, recv_counts).reshape(-1))  # (source, expert) segments of buf
   seg = jnp.searchsorted(ends, jnp.arange(capacity), side="right")
   key = jnp.where(seg < ep * E_loc, seg % E_loc, E_loc)
   out = _expert_rows(buf, key, wg, wu, wd, limit, implementation)
-  back_off = lax.all_to_all(in_off, axis, 0, 0, tiled=True)               # where each source wants its rows
+  back_off = lax.all_to_all(in_off, axis, 0, 0, tiled=True)  # where each source wants its rows
   ys = a2a(out, jnp.zeros((n * k, H), x.dtype), recv_off, recv, back_off, send, axis_name=axis)
   y = jnp.zeros((n * k, H), x.dtype).at[order].set(ys).reshape(n, k, H)
   y = jnp.einsum("nkh,nk->nh", y.astype(jnp.float32), weights)
@@ -224,8 +227,20 @@ def _ragged(x, chosen, weights, wg, wu, wd, limit, *, axis, ep, capacity, tp_axe
 
 # ---------------------------------------------------------------------------------------------------------------
 
-def moe_experts(x, chosen, weights, wg, wu, wd, limit=0.0, *, mode: str = "auto", implementation: str = "xla",
-                emulate_ragged: bool | None = None):
+
+def moe_experts(
+  x,
+  chosen,
+  weights,
+  wg,
+  wu,
+  wd,
+  limit=0.0,
+  *,
+  mode: str = "auto",
+  implementation: str = "xla",
+  emulate_ragged: bool | None = None,
+):
   """Expert-parallel routed experts on the mesh in context (see module docstring).
 
   x [N, H], chosen [N, k] int32, weights [N, k] fp32, wg/wu [E, H, F], wd [E, F, H], limit: float or traced
@@ -245,48 +260,89 @@ def moe_experts(x, chosen, weights, wg, wu, wd, limit=0.0, *, mode: str = "auto"
   tok, ep_axes, tp_axes, sizes = _layout(mesh, E, H, F)
   shards = math.prod(sizes[a] for a in tok)
   pad = -N % shards
-  if pad:   # padding rows: expert 0 with weight 0, discarded below
+  if pad:  # padding rows: expert 0 with weight 0, discarded below
     x = jnp.pad(x, ((0, pad), (0, 0)))
     chosen = jnp.pad(chosen, ((0, pad), (0, 0)))
     weights = jnp.pad(weights, ((0, pad), (0, 0)))
   g_axes = tuple(a for a in tok if a in ep_axes)
-  g_axes = tuple(a for a in ep_axes if a in g_axes)          # in EP order, so device d holds experts d*E_loc..
+  g_axes = tuple(a for a in ep_axes if a in g_axes)  # in EP order, so device d holds experts d*E_loc..
   rest = tuple(a for a in ep_axes if a not in g_axes)
   ep = math.prod(sizes[a] for a in ep_axes)
   n_loc = (N + pad) // shards
   single_axis = len(ep_axes) == 1 and not rest
   if name in ("a2a", "ragged") and not single_axis:
-    name = "gather"                                          # needs tokens split over exactly one EP axis
+    name = "gather"  # needs tokens split over exactly one EP axis
   wlim = jnp.asarray(limit, jnp.float32)
   static_limit = limit if isinstance(limit, (int, float)) else None
 
   def body(x, chosen, weights, wg, wu, wd, lim):
     lim = static_limit if static_limit is not None else lim
-    gather = lambda: _gather(x, chosen, weights, wg, wu, wd, lim, ep_axes=ep_axes, g_axes=g_axes, rest_axes=rest,
-                             tp_axes=tp_axes, sizes=sizes, implementation=implementation)
+    gather = lambda: _gather(
+      x,
+      chosen,
+      weights,
+      wg,
+      wu,
+      wd,
+      lim,
+      ep_axes=ep_axes,
+      g_axes=g_axes,
+      rest_axes=rest,
+      tp_axes=tp_axes,
+      sizes=sizes,
+      implementation=implementation,
+    )
     if name == "gather" or ep == 1:
       return gather()
     E_loc = wg.shape[0]
     if name == "a2a":
-      worst = n_loc * k                                      # all rows of a device to one peer
+      worst = n_loc * k  # all rows of a device to one peer
       cap = max(1, min(worst, math.ceil((cf or A2A_CAPACITY_FACTOR) * n_loc * k / ep)))
-      exchange = lambda: _a2a(x, chosen, weights, wg, wu, wd, lim, axis=ep_axes[0], ep=ep, capacity=cap,
-                              tp_axes=tp_axes, implementation=implementation)[0]
-      load = jnp.max(_counts(chosen // E_loc, ep))            # rows this device sends to its busiest peer
+      exchange = lambda: _a2a(
+        x,
+        chosen,
+        weights,
+        wg,
+        wu,
+        wd,
+        lim,
+        axis=ep_axes[0],
+        ep=ep,
+        capacity=cap,
+        tp_axes=tp_axes,
+        implementation=implementation,
+      )[0]
+      load = jnp.max(_counts(chosen // E_loc, ep))  # rows this device sends to its busiest peer
     else:
-      worst = n_loc * k * ep                                 # all rows of the EP group to one device
+      worst = n_loc * k * ep  # all rows of the EP group to one device
       cap = max(1, min(worst, math.ceil((cf or ep) * n_loc * k)))
-      exchange = lambda: _ragged(x, chosen, weights, wg, wu, wd, lim, axis=ep_axes[0], ep=ep, capacity=cap,
-                                 tp_axes=tp_axes, implementation=implementation, emulate=emulate_ragged)[0]
+      exchange = lambda: _ragged(
+        x,
+        chosen,
+        weights,
+        wg,
+        wu,
+        wd,
+        lim,
+        axis=ep_axes[0],
+        ep=ep,
+        capacity=cap,
+        tp_axes=tp_axes,
+        implementation=implementation,
+        emulate=emulate_ragged,
+      )[0]
       load = jnp.sum(lax.all_to_all(_counts(chosen // E_loc, ep), ep_axes[0], 0, 0, tiled=True))  # rows received
     if cap >= worst:
-      return exchange()                                      # cannot overflow: no fallback needed
+      return exchange()  # cannot overflow: no fallback needed
     over = lax.pmax((load > cap).astype(jnp.int32), tuple(mesh.axis_names)) > 0
-    return lax.cond(over, gather, exchange)                  # dropless: overflow anywhere -> gather path
+    return lax.cond(over, gather, exchange)  # dropless: overflow anywhere -> gather path
 
   pack = lambda axes: None if not axes else (axes[0] if len(axes) == 1 else axes)
   t, e, f = pack(tok), pack(ep_axes), pack(tp_axes)
-  y = jax.shard_map(body, mesh=mesh,
-                    in_specs=(P(t, None), P(t, None), P(t, None), P(e, None, f), P(e, None, f), P(e, f, None), P()),
-                    out_specs=P(t, None))(x, chosen, weights.astype(jnp.float32), wg, wu, wd, wlim)
+  y = jax.shard_map(
+    body,
+    mesh=mesh,
+    in_specs=(P(t, None), P(t, None), P(t, None), P(e, None, f), P(e, None, f), P(e, f, None), P()),
+    out_specs=P(t, None),
+  )(x, chosen, weights.astype(jnp.float32), wg, wu, wd, wlim)
   return y[:N]

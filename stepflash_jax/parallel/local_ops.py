@@ -5,6 +5,7 @@ per (sequence, kv head group), so it runs locally on the batch shards (mesh axes
 (mesh axes of "heads" = "kv_heads", e.g. tensor) with no communication. The grouped matmul of the MoE already
 runs inside the expert-parallel shard_map (expert_parallel.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -22,12 +23,14 @@ def sliding_window_attention(q, k, v, *, window, segment_ids=None, implementatio
   q [B, T, Hq, D], k/v [B, T, Hkv, D], segment_ids [B, T] or None. Batch split over the dividing subset of the
   "batch" mesh axes, heads over the "kv_heads" axes when they divide both Hq and Hkv (query head h uses kv head
   h // G, so contiguous head shards stay aligned); otherwise that dimension stays whole."""
-  f = lambda q, k, v, s: ops.sliding_window_attention(q, k, v, window=window, segment_ids=s,
-                                                      implementation=implementation, scale=scale)
+  f = lambda q, k, v, s: ops.sliding_window_attention(
+    q, k, v, window=window, segment_ids=s, implementation=implementation, scale=scale
+  )
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return f(q, k, v, segment_ids)
   from stepflash_jax.parallel.mesh import DEFAULT_RULES, _as_tuple, axis_sizes, batch_axes, resolve
+
   rules = nn.get_logical_axis_rules() or DEFAULT_RULES
   sizes = axis_sizes(mesh)
   Hq, Hkv = q.shape[2], k.shape[2]
@@ -40,6 +43,5 @@ def sliding_window_attention(q, k, v, *, window, segment_ids=None, implementatio
   h = None if not heads else (heads[0] if len(heads) == 1 else heads)
   qkv = P(b, None, h, None)
   if segment_ids is None:
-    return jax.shard_map(lambda q, k, v: f(q, k, v, None), mesh=mesh, in_specs=(qkv, qkv, qkv),
-                         out_specs=qkv)(q, k, v)
+    return jax.shard_map(lambda q, k, v: f(q, k, v, None), mesh=mesh, in_specs=(qkv, qkv, qkv), out_specs=qkv)(q, k, v)
   return jax.shard_map(f, mesh=mesh, in_specs=(qkv, qkv, qkv, P(b, None)), out_specs=qkv)(q, k, v, segment_ids)

@@ -18,12 +18,13 @@ uneven activation shardings (it pads).
 `config.mesh.rules` (optional) is prepended to DEFAULT_RULES, so it overrides: e.g. (("vocab", None),) stops
 sharding the vocabulary, (("embed", "fsdp"),) keeps "embed" off the expert axis.
 """
+
 from __future__ import annotations
 
 import contextlib
 import functools
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import flax.linen as nn
 import jax
@@ -34,26 +35,27 @@ MESH_AXES = ("data", "fsdp", "expert", "tensor")
 BATCH_AXES = ("data", "fsdp", "expert")
 
 DEFAULT_RULES = (
-    # activations (listed first: a batch dimension takes data/fsdp/expert before "embed" can)
-    ("batch", ("data", "fsdp", "expert")),
-    ("length", None),
-    # parameters and activations
-    ("expert", "expert"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("vocab", "tensor"),
-    ("embed", ("fsdp", "expert")),      # dense weights: ZeRO-3 over fsdp x expert ...
-    ("embed", "fsdp"),                  # ... expert weights [E, H, F]: E took "expert", H gets fsdp only
-    ("concat_embed", ("fsdp", "expert")),
-    ("concat_embed", "fsdp"),
-    ("head_dim", None),
-    ("layers", None),
+  # activations (listed first: a batch dimension takes data/fsdp/expert before "embed" can)
+  ("batch", ("data", "fsdp", "expert")),
+  ("length", None),
+  # parameters and activations
+  ("expert", "expert"),
+  ("heads", "tensor"),
+  ("kv_heads", "tensor"),
+  ("mlp", "tensor"),
+  ("vocab", "tensor"),
+  ("embed", ("fsdp", "expert")),  # dense weights: ZeRO-3 over fsdp x expert ...
+  ("embed", "fsdp"),  # ... expert weights [E, H, F]: E took "expert", H gets fsdp only
+  ("concat_embed", ("fsdp", "expert")),
+  ("concat_embed", "fsdp"),
+  ("head_dim", None),
+  ("layers", None),
 )
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Rules and their resolution
+
 
 def _as_tuple(axes) -> tuple:
   if axes is None:
@@ -74,8 +76,9 @@ def check_rules(rules) -> tuple:
     axes = _as_tuple(r[1])
     bad = [a for a in axes if a not in MESH_AXES]
     if bad:
-      raise ValueError(f"config field 'mesh.rules': entry {i} {tuple(r)!r} names unknown mesh axes {bad}; "
-                       f"mesh axes are {MESH_AXES}")
+      raise ValueError(
+        f"config field 'mesh.rules': entry {i} {tuple(r)!r} names unknown mesh axes {bad}; mesh axes are {MESH_AXES}"
+      )
     out.append((r[0], _pack(axes)))
   return tuple(out)
 
@@ -90,8 +93,13 @@ def rules(config=None) -> tuple:
   return check_rules(extra + DEFAULT_RULES)
 
 
-def resolve(names: Sequence[str | None], rules_: Sequence, axis_sizes: dict | None = None,
-            shape: Sequence[int] | None = None, dropped: list | None = None) -> P:
+def resolve(
+  names: Sequence[str | None],
+  rules_: Sequence,
+  axis_sizes: dict | None = None,
+  shape: Sequence[int] | None = None,
+  dropped: list | None = None,
+) -> P:
   """Logical names of one array -> mesh PartitionSpec.
 
   Precedence as flax: rules in order; a rule applies to a still-unassigned dimension if none of its mesh axes is
@@ -102,7 +110,7 @@ def resolve(names: Sequence[str | None], rules_: Sequence, axis_sizes: dict | No
   names = tuple(names)
   if len(set(n for n in names if n is not None)) != len([n for n in names if n is not None]):
     raise ValueError(f"logical axis names {names} repeat a name")
-  result = [... if n is not None else None for n in names]          # ... = not assigned yet
+  result = [... if n is not None else None for n in names]  # ... = not assigned yet
   used: set = set()
   for logical, mesh_axes in rules_:
     if logical not in names:
@@ -118,7 +126,7 @@ def resolve(names: Sequence[str | None], rules_: Sequence, axis_sizes: dict | No
       while keep and shape[pos] % math.prod(axis_sizes[a] for a in keep):
         keep = keep[:-1]
       if keep != axes and dropped is not None:
-        dropped.append((names, int(shape[pos]), axes[len(keep):]))
+        dropped.append((names, int(shape[pos]), axes[len(keep) :]))
       if not keep:
         continue
       axes = keep
@@ -135,16 +143,19 @@ def mesh_specs(logical_tree, rules_, axis_sizes: dict | None = None, shapes_tree
   """Tree of logical PartitionSpecs (model.logical_axes) -> tree of mesh PartitionSpecs (see `resolve`)."""
   if shapes_tree is None:
     return jax.tree.map(lambda s: resolve(tuple(s), rules_), logical_tree, is_leaf=_is_spec)
-  return jax.tree.map(lambda s, x: resolve(tuple(s), rules_, axis_sizes, x.shape, dropped),
-                      logical_tree, shapes_tree, is_leaf=_is_spec)
+  return jax.tree.map(
+    lambda s, x: resolve(tuple(s), rules_, axis_sizes, x.shape, dropped), logical_tree, shapes_tree, is_leaf=_is_spec
+  )
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Mesh
 
+
 def mesh_shape(mesh_cfg, num_devices: int) -> dict:
   """{axis: size} of config.mesh with one -1 filled in; ValueError naming the field if it does not fit."""
   from stepflash_jax.train.validate import mesh_shape as _shape
+
   return _shape(mesh_cfg, num_devices)
 
 
@@ -177,10 +188,12 @@ def use_mesh(mesh, rules_):
 # ---------------------------------------------------------------------------------------------------------------
 # Shardings of variables and of whole training states
 
+
 @functools.lru_cache(maxsize=32)
 def _model_shapes(args, head: str):
   """(logical PartitionSpec tree, ShapeDtypeStruct tree) of the variables; cached per (ModelArgs, head)."""
   from stepflash_jax import model as model_lib
+
   with _no_rules():
     return model_lib.logical_axes(args, head), model_lib.abstract_variables(args, head)
 
@@ -194,6 +207,7 @@ def _no_rules():
 def variable_specs(cfg, mesh_or_sizes, rules_, head: str = "lm", dropped: list | None = None):
   """{"params", "router"} tree of mesh PartitionSpecs for the model `cfg` ("lm" actor or "value" critic head)."""
   from stepflash_jax import model as model_lib
+
   sizes = mesh_or_sizes if isinstance(mesh_or_sizes, dict) else axis_sizes(mesh_or_sizes)
   logical, shapes = _model_shapes(model_lib.as_args(cfg), head)
   return mesh_specs(logical, rules_, sizes, shapes, dropped)
@@ -214,6 +228,7 @@ def _key(k) -> str:
 def _lookup(cfg, sizes, rules_, heads) -> dict:
   """{(path without the collection name): (shape, PartitionSpec)} over the variables of the given heads."""
   from stepflash_jax import model as model_lib
+
   table = {}
   for head in heads:
     specs = variable_specs(cfg, sizes, rules_, head)
@@ -242,13 +257,13 @@ def state_specs(state, cfg, mesh_or_sizes, rules_, heads: Sequence[str] = ("lm",
       if hit is not None and hit[0] == shape:
         return hit[1]
     return P()
+
   return jax.tree_util.tree_map_with_path(one, state)
 
 
 def state_shardings(state, cfg, mesh, rules_, heads: Sequence[str] = ("lm", "value")):
   """NamedShardings of `state_specs` on `mesh`."""
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs(state, cfg, mesh, rules_, heads),
-                      is_leaf=_is_spec)
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs(state, cfg, mesh, rules_, heads), is_leaf=_is_spec)
 
 
 def create_sharded(fn, *args, shardings):
@@ -265,6 +280,7 @@ def init_variables(cfg, rng, mesh, rules_, head: str = "lm", per_leaf: bool = Fa
   scales, router biases and the value head zero, as model.init), so each device only generates its shards: use
   this for the 196B model (different random values than model.init)."""
   from stepflash_jax import model as model_lib
+
   args = model_lib.as_args(cfg)
   shardings = variable_shardings(args, mesh, rules_, head)
   if not per_leaf:
@@ -282,6 +298,7 @@ def init_variables(cfg, rng, mesh, rules_, head: str = "lm", per_leaf: bool = Fa
       else:
         out.append((args.init_std * jax.random.normal(jax.random.fold_in(rng, i), x.shape)).astype(x.dtype))
     return jax.tree.unflatten(treedef, out)
+
   return create_sharded(sample, rng, shardings=shardings)
 
 
@@ -298,6 +315,7 @@ def place_state(state, cfg, mesh, rules_):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Batches
+
 
 def batch_axes(mesh, batch_size: int, rules_=None) -> tuple:
   """Mesh axes for a leading batch dimension of `batch_size`: the mesh axes of the logical "batch" rule, keeping
@@ -324,6 +342,7 @@ def shard_batch(batch, mesh, rules_=None, global_batch: bool = False):
   global arrays of process_count x the rows (jax.make_array_from_process_local_data). global_batch=True (RL
   prompts / generations, identical on every host): every host passes the whole batch and keeps its shards.
   With one host both are a plain device_put. Non-array entries (e.g. a prompt batch's examples) pass through."""
+
   def put(x):
     if not isinstance(x, (np.ndarray, jax.Array)) or np.ndim(x) == 0:
       return x
@@ -334,6 +353,7 @@ def shard_batch(batch, mesh, rules_=None, global_batch: bool = False):
       return jax.make_array_from_callback(x.shape, batch_sharding(mesh, x.shape, rules_), lambda idx: x[idx])
     global_shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
     return jax.make_array_from_process_local_data(batch_sharding(mesh, global_shape, rules_), x, global_shape)
+
   if isinstance(batch, dict):
     return {k: put(v) for k, v in batch.items()}
   return jax.tree.map(put, batch)
@@ -350,7 +370,29 @@ def describe(cfg, mesh_or_sizes, rules_, head: str = "lm") -> dict:
   return {"/".join(_key(k) for k in path): str(spec) for path, spec in flat}
 
 
-__all__ = ["BATCH_AXES", "DEFAULT_RULES", "MESH_AXES", "axis_sizes", "batch_axes", "batch_sharding", "check_rules",
-           "create_sharded", "describe", "init_opt_state", "init_variables", "make_mesh", "mesh_shape", "mesh_specs",
-           "place_state", "replicated", "resolve", "rules", "shard_batch", "state_shardings", "state_specs", "use_mesh",
-           "variable_shardings", "variable_specs"]
+__all__ = [
+  "BATCH_AXES",
+  "DEFAULT_RULES",
+  "MESH_AXES",
+  "axis_sizes",
+  "batch_axes",
+  "batch_sharding",
+  "check_rules",
+  "create_sharded",
+  "describe",
+  "init_opt_state",
+  "init_variables",
+  "make_mesh",
+  "mesh_shape",
+  "mesh_specs",
+  "place_state",
+  "replicated",
+  "resolve",
+  "rules",
+  "shard_batch",
+  "state_shardings",
+  "state_specs",
+  "use_mesh",
+  "variable_shardings",
+  "variable_specs",
+]

@@ -5,6 +5,7 @@ connects them, after which jax.devices() lists all chips of the slice and a mesh
 loads only its share of the data (`host_shard`) and `mesh.shard_batch` assembles the global batch from the
 host-local rows. Orbax checkpoints of global arrays are written and read by all hosts together.
 """
+
 from __future__ import annotations
 
 import jax
@@ -43,5 +44,7 @@ def to_host(tree):
   if jax.process_count() == 1:
     return jax.device_get(tree)
   from jax.experimental import multihost_utils
-  return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
-                      if isinstance(x, jax.Array) else x, tree)
+
+  return jax.tree.map(
+    lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)) if isinstance(x, jax.Array) else x, tree
+  )

@@ -4,6 +4,7 @@ values_all[b, p] = V(state after consuming tokens 0..p). For a response starting
 left padding), V(s_t) of response token t is values_all[:, P - 1 + t]; V(s_T) after the last token is the next
 column. `response_values` returns [B, R + 1] in that convention (what `gae_advantages` expects).
 """
+
 import jax.numpy as jnp
 
 from stepflash_jax import model as model_lib
@@ -20,4 +21,4 @@ def critic_from_actor(actor_variables):
 def response_values(args, variables, tokens, positions, segment_ids, prompt_len: int):
   """tokens [B, P + R] -> V(s_t) for t = 0..R as float32 [B, R + 1]."""
   v = model_lib.apply(args, variables, tokens, positions=positions, segment_ids=segment_ids, head="value")["values"]
-  return v[:, prompt_len - 1:]
+  return v[:, prompt_len - 1 :]

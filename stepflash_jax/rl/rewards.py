@@ -55,8 +55,9 @@ def verify(family: str, metadata: Mapping[str, Any], completion: str) -> bool:
 
 
 @register_reward("rule")
-def rule_reward(prompt: str, completion: str, *, family: str, truncated: bool = False, difficulty: Any = None,
-                **metadata) -> float:
+def rule_reward(
+  prompt: str, completion: str, *, family: str, truncated: bool = False, difficulty: Any = None, **metadata
+) -> float:
   """1.0 if the rule checker of `family` accepts `completion`, else 0.0 (truncated completions included)."""
   del prompt, truncated, difficulty
   return 1.0 if verify(family, metadata, completion) else 0.0
@@ -68,12 +69,15 @@ def example_kwargs(example: Mapping[str, Any], truncated: bool = False) -> dict:
   clash = [k for k in _RESERVED if k in meta]
   if clash:
     raise ValueError(f"example metadata must not contain the reserved keys {clash}")
-  return {**meta, "family": example["family"], "difficulty": example.get("difficulty"),
-          "truncated": bool(truncated)}
+  return {**meta, "family": example["family"], "difficulty": example.get("difficulty"), "truncated": bool(truncated)}
 
 
-def score_batch(reward_fn: RewardFn | str, examples: Sequence[Mapping[str, Any]], completions: Sequence[str],
-                truncated: Sequence[bool] | np.ndarray | None = None) -> dict:
+def score_batch(
+  reward_fn: RewardFn | str,
+  examples: Sequence[Mapping[str, Any]],
+  completions: Sequence[str],
+  truncated: Sequence[bool] | np.ndarray | None = None,
+) -> dict:
   """Rewards of a batch: dict(reward [N] float32 (the reward_fn value, truncated ones NOT replaced),
   truncated [N] bool, correct [N] bool (rule checker, independent of reward_fn))."""
   fn = get_reward_fn(reward_fn) if isinstance(reward_fn, str) else reward_fn

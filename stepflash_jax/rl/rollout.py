@@ -48,6 +48,7 @@ generate() is one jitted XLA program (prefill + lax.while_loop of decode / verif
 (model, dtype, P, N, spec_decode, batch size) and shared by engines that differ only in temperature / top_p /
 logit_noise / eos / pad (traced inputs).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -71,6 +72,7 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive
 # ----------------------------------------------------------------------------------------------------------------
 # Sampling
 
+
 def sampling_logprobs(logits, temperature, top_p):
   """logits [..., V] -> fp32 log-probs [..., V] of softmax(logits / T) restricted to the top-p nucleus (the
   smallest set of most likely tokens with mass >= top_p; ties at the boundary kept), renormalised.
@@ -80,7 +82,7 @@ def sampling_logprobs(logits, temperature, top_p):
 
   def nucleus(lp):
     srt = -jnp.sort(-lp, axis=-1)
-    before = jnp.cumsum(jnp.exp(srt), -1) - jnp.exp(srt)          # mass of the more likely tokens
+    before = jnp.cumsum(jnp.exp(srt), -1) - jnp.exp(srt)  # mass of the more likely tokens
     thresh = jnp.min(jnp.where(before < top_p, srt, jnp.inf), -1, keepdims=True)
     return jax.nn.log_softmax(jnp.where(lp >= thresh, lp, -jnp.inf), -1)
 
@@ -88,8 +90,9 @@ def sampling_logprobs(logits, temperature, top_p):
 
 
 def _noisy(key, logits, std):
-  return lax.cond(std > 0, lambda l: l + std * jax.random.normal(key, l.shape, jnp.float32),
-                  lambda l: l, logits.astype(jnp.float32))
+  return lax.cond(
+    std > 0, lambda l: l + std * jax.random.normal(key, l.shape, jnp.float32), lambda l: l, logits.astype(jnp.float32)
+  )
 
 
 def _draw(key, lp, greedy):
@@ -101,15 +104,21 @@ def _draw(key, lp, greedy):
 # ----------------------------------------------------------------------------------------------------------------
 # Model calls
 
+
 def cast_variables(variables, dtype):
   """Weight matrices and the embedding to `dtype`; router kernels, norm scales and router biases stay fp32."""
+
   def f(path, x):
     names = [str(getattr(p, "key", "")) for p in path]
     if names[-1] in ("kernel", "embedding") and "router" not in names:
       return x.astype(dtype)
     return x
-  return {c: (jax.tree_util.tree_map_with_path(f, variables[c]) if c == "params" else variables[c])
-          for c in M.COLLECTIONS if c in variables}
+
+  return {
+    c: (jax.tree_util.tree_map_with_path(f, variables[c]) if c == "params" else variables[c])
+    for c in M.COLLECTIONS
+    if c in variables
+  }
 
 
 def _moe_confidence(stats):
@@ -120,28 +129,41 @@ def _moe_confidence(stats):
 
 def model_call(args, v, tokens, positions, segment_ids, cache, cache_index):
   """Cached backbone call -> (logits [B, T, V] fp32, hidden [B, T, H], new cache, {MoE layer: confidence}, tokens)."""
-  out, st = M.apply(args, v, tokens, positions=positions, segment_ids=segment_ids, cache=cache,
-                    cache_index=cache_index, stats=True)
+  out, st = M.apply(
+    args, v, tokens, positions=positions, segment_ids=segment_ids, cache=cache, cache_index=cache_index, stats=True
+  )
   conf, ntok = _moe_confidence(st)
   return out["logits"], out["hidden"], out["cache"], conf, ntok
 
 
 def _mtp(args, v, k, h, tokens, positions, segment_ids, cache, cache_index):
-  return M.build(args).apply({c: v[c] for c in M.COLLECTIONS if c in v}, k, h, tokens, positions, segment_ids,
-                             cache, cache_index, method="mtp_step")
+  return M.build(args).apply(
+    {c: v[c] for c in M.COLLECTIONS if c in v},
+    k,
+    h,
+    tokens,
+    positions,
+    segment_ids,
+    cache,
+    cache_index,
+    method="mtp_step",
+  )
 
 
 def rollback(cache, last_pos):
   """Mark every cache entry with a position > last_pos [B] empty (pos = -1): rejected drafts disappear."""
+
   def f(path, x):
     if str(getattr(path[-1], "key", "")) != "pos":
       return x
-    return jnp.where(x > last_pos[:, None], -1, x)          # pos is [..., B, S]
+    return jnp.where(x > last_pos[:, None], -1, x)  # pos is [..., B, S]
+
   return jax.tree_util.tree_map_with_path(f, cache)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # The compiled generate functions (shared by engines with equal static settings)
+
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
@@ -159,11 +181,17 @@ def _prefill_inputs(st, lens):
 
 def _result(st, eos, prompts, resp, logp, mask, conf, ntok, conf_p):
   has_eos = jnp.any((resp == eos) & (mask > 0), axis=1)
-  return {"tokens": jnp.concatenate([prompts, resp], 1), "response": resp, "response_mask": mask,
-          "logp": logp * mask, "lengths": mask.sum(1).astype(jnp.int32), "truncated": ~has_eos,
-          "routing_confidence": _layer_mean(conf) / jnp.maximum(ntok, 1.0),
-          "routing_confidence_layers": {k: c / jnp.maximum(ntok, 1.0) for k, c in conf.items()},
-          "routing_confidence_prompt": _layer_mean(conf_p)}
+  return {
+    "tokens": jnp.concatenate([prompts, resp], 1),
+    "response": resp,
+    "response_mask": mask,
+    "logp": logp * mask,
+    "lengths": mask.sum(1).astype(jnp.int32),
+    "truncated": ~has_eos,
+    "routing_confidence": _layer_mean(conf) / jnp.maximum(ntok, 1.0),
+    "routing_confidence_layers": {k: c / jnp.maximum(ntok, 1.0) for k, c in conf.items()},
+    "routing_confidence_prompt": _layer_mean(conf_p),
+  }
 
 
 def _layer_mean(conf: dict):
@@ -189,22 +217,36 @@ def _generate_plain(st: _Static, variables, prompts, lens, knobs, ids, rng):
     return _draw(ks, sampling_logprobs(_noisy(kn, logits, noise), temp, top_p), temp <= 0)
 
   tok, lp = sample(0, logits[:, -1])
-  s = dict(i=jnp.int32(1), cache=cache, done=tok == eos, conf=jax.tree.map(jnp.zeros_like, conf_p), ntok=jnp.float32(0),
-           resp=jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(tok),
-           logp=jnp.zeros((B, N), jnp.float32).at[:, 0].set(lp),
-           mask=jnp.zeros((B, N), jnp.float32).at[:, 0].set(1.0))
+  s = dict(
+    i=jnp.int32(1),
+    cache=cache,
+    done=tok == eos,
+    conf=jax.tree.map(jnp.zeros_like, conf_p),
+    ntok=jnp.float32(0),
+    resp=jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(tok),
+    logp=jnp.zeros((B, N), jnp.float32).at[:, 0].set(lp),
+    mask=jnp.zeros((B, N), jnp.float32).at[:, 0].set(1.0),
+  )
 
   def body(s):
     i, active = s["i"], ~s["done"]
     tok_in = lax.dynamic_slice_in_dim(s["resp"], i - 1, 1, axis=1)
-    logits, _, cache, conf, ntok = model_call(a, v, tok_in, (lens + i - 1)[:, None],
-                                              active[:, None].astype(jnp.int32), s["cache"], P + i - 1)
+    logits, _, cache, conf, ntok = model_call(
+      a, v, tok_in, (lens + i - 1)[:, None], active[:, None].astype(jnp.int32), s["cache"], P + i - 1
+    )
     tok, lp = sample(i, logits[:, 0])
     tok = jnp.where(active, tok, pad_id)
     put = lambda buf, x: lax.dynamic_update_slice_in_dim(buf, x[:, None].astype(buf.dtype), i, axis=1)
-    return dict(i=i + 1, cache=cache, done=s["done"] | (active & (tok == eos)),
-                conf=_accumulate(s["conf"], conf, ntok), ntok=s["ntok"] + ntok, resp=put(s["resp"], tok),
-                logp=put(s["logp"], jnp.where(active, lp, 0.0)), mask=put(s["mask"], active.astype(jnp.float32)))
+    return dict(
+      i=i + 1,
+      cache=cache,
+      done=s["done"] | (active & (tok == eos)),
+      conf=_accumulate(s["conf"], conf, ntok),
+      ntok=s["ntok"] + ntok,
+      resp=put(s["resp"], tok),
+      logp=put(s["logp"], jnp.where(active, lp, 0.0)),
+      mask=put(s["mask"], active.astype(jnp.float32)),
+    )
 
   s = lax.while_loop(lambda s: (s["i"] < N) & ~jnp.all(s["done"]), body, s)
   return _result(st, eos, prompts, s["resp"], s["logp"], s["mask"], s["conf"], s["ntok"], conf_p)
@@ -226,12 +268,12 @@ def draft_prefill(a, v, mcache, hid, ext, pos, seg, s, sample):
   P, K = hid.shape[1], len(mcache)
   h, drafts, lq, carries, mcache, logits = hid, [], [], [], list(mcache), []
   for k in range(K):
-    h, lg, mc = _mtp(a, v, k, h, ext[:, k + 1:k + 1 + P], pos, seg, mcache[k], 0)
+    h, lg, mc = _mtp(a, v, k, h, ext[:, k + 1 : k + 1 + P], pos, seg, mcache[k], 0)
     mcache[k] = rollback(mc, s - k)
     d, _, lqk = sample(k, lg[:, -1])
     drafts.append(d), lq.append(lqk), carries.append(h[:, P - 1 - k]), logits.append(lg)
     ext = jnp.concatenate([ext, d[:, None]], 1)
-  return jnp.stack(drafts, 1), jnp.stack(lq, 1), _stack(carries[:K - 1], hid[:, 0]), mcache, logits
+  return jnp.stack(drafts, 1), jnp.stack(lq, 1), _stack(carries[: K - 1], hid[:, 0]), mcache, logits
 
 
 def draft_step(a, v, mcache, carries, hid, Z, s, n, pad, live, sample):
@@ -254,12 +296,12 @@ def draft_step(a, v, mcache, carries, hid, Z, s, n, pad, live, sample):
     kseg = (live[:, None] & (jk <= (n + k)[:, None]) & (kpos >= 0)).astype(jnp.int32)
     if k:
       h = jnp.concatenate([carries[k - 1][:, None], h], 1)
-    h, lg, mc = _mtp(a, v, k, h, Z[:, :K + 1 + k], jnp.maximum(kpos, 0), kseg, mcache[k], s - k + 1 + pad)
+    h, lg, mc = _mtp(a, v, k, h, Z[:, : K + 1 + k], jnp.maximum(kpos, 0), kseg, mcache[k], s - k + 1 + pad)
     mcache[k] = rollback(mc, s_new - k)
-    d, _, lqk = sample(k, take(lg, (n + k)[:, None, None])[:, 0])                  # at position s_new
+    d, _, lqk = sample(k, take(lg, (n + k)[:, None, None])[:, 0])  # at position s_new
     Z = jnp.where(jz == (n + k + 1)[:, None], d[:, None], Z)
     drafts.append(d), lq.append(lqk), new_c.append(take(h, n[:, None, None])[:, 0]), logits.append(lg)
-  return jnp.stack(drafts, 1), jnp.stack(lq, 1), _stack(new_c[:K - 1], hid[:, 0]), mcache, logits
+  return jnp.stack(drafts, 1), jnp.stack(lq, 1), _stack(new_c[: K - 1], hid[:, 0]), mcache, logits
 
 
 def _generate_spec(st: _Static, variables, prompts, lens, knobs, ids, rng):
@@ -267,17 +309,18 @@ def _generate_spec(st: _Static, variables, prompts, lens, knobs, ids, rng):
   eos, pad_id = ids[0], ids[1]
   K = len(a.mtp_layers)
   B = prompts.shape[0]
-  C = P + N + K + 2                                     # columns: every verify/draft write stays below C
+  C = P + N + K + 2  # columns: every verify/draft write stays below C
   temp, top_p, noise = knobs[0], knobs[1], knobs[2]
   greedy = temp <= 0
   v = cast_variables(variables, a.dtype)
   rows = jnp.arange(B)[:, None]
   take = lambda x, idx: jnp.take_along_axis(x, idx, axis=1)
 
-  def sampler(keys):          # the draft distribution q: temperature / top-p, no logit noise
+  def sampler(keys):  # the draft distribution q: temperature / top-p, no logit noise
     def sample(k, logits):
       lq = sampling_logprobs(logits, temp, top_p)
       return _draw(keys[k], lq, greedy) + (lq,)
+
     return sample
 
   # Prefill: backbone over the prompt, first token from p, then the MTP chain over the prompt columns.
@@ -287,14 +330,28 @@ def _generate_spec(st: _Static, variables, prompts, lens, knobs, ids, rng):
   k0 = jax.random.split(jax.random.fold_in(rng, 0), K + 2)
   tok0, lp0 = _draw(k0[1], sampling_logprobs(_noisy(k0[0], logits[:, -1], noise), temp, top_p), greedy)
   s = lens - 1
-  drafts, lq, carries, mcache, _ = draft_prefill(a, v, mcache, hid, jnp.concatenate([prompts, tok0[:, None]], 1),
-                                                 pos, seg, s, sampler(k0[2:]))
+  drafts, lq, carries, mcache, _ = draft_prefill(
+    a, v, mcache, hid, jnp.concatenate([prompts, tok0[:, None]], 1), pos, seg, s, sampler(k0[2:])
+  )
   toks = jnp.full((B, C), pad_id, jnp.int32).at[:, :P].set(prompts).at[:, P].set(tok0)
-  state = dict(it=jnp.int32(0), cache=cache, mcache=mcache, toks=toks,
-               logp=jnp.zeros((B, C), jnp.float32).at[:, P].set(lp0), s=s, g=jnp.ones((B,), jnp.int32),
-               done=(tok0 == eos) | (N <= 1), drafts=drafts, lq=lq, carries=carries,
-               conf=jax.tree.map(jnp.zeros_like, conf_p),
-               ntok=jnp.float32(0), accepted=jnp.int32(0), proposed=jnp.int32(0), calls=jnp.int32(0))
+  state = dict(
+    it=jnp.int32(0),
+    cache=cache,
+    mcache=mcache,
+    toks=toks,
+    logp=jnp.zeros((B, C), jnp.float32).at[:, P].set(lp0),
+    s=s,
+    g=jnp.ones((B,), jnp.int32),
+    done=(tok0 == eos) | (N <= 1),
+    drafts=drafts,
+    lq=lq,
+    carries=carries,
+    conf=jax.tree.map(jnp.zeros_like, conf_p),
+    ntok=jnp.float32(0),
+    accepted=jnp.int32(0),
+    proposed=jnp.int32(0),
+    calls=jnp.int32(0),
+  )
 
   def body(S):
     active, s, drafts, lq = ~S["done"], S["s"], S["drafts"], S["lq"]
@@ -303,14 +360,15 @@ def _generate_spec(st: _Static, variables, prompts, lens, knobs, ids, rng):
     j1 = jnp.arange(K + 1)
     x1 = take(S["toks"], (s + 1 + pad)[:, None])
     vseg = jnp.broadcast_to(active[:, None], (B, K + 1)).astype(jnp.int32)
-    logits, hid, cache, conf, ntok = model_call(a, v, jnp.concatenate([x1, drafts], 1), s[:, None] + 1 + j1,
-                                                vseg, S["cache"], s + 1 + pad)
-    lp = sampling_logprobs(_noisy(keys[0], logits, noise), temp, top_p)           # p_0..p_K [B, K+1, V]
+    logits, hid, cache, conf, ntok = model_call(
+      a, v, jnp.concatenate([x1, drafts], 1), s[:, None] + 1 + j1, vseg, S["cache"], s + 1 + pad
+    )
+    lp = sampling_logprobs(_noisy(keys[0], logits, noise), temp, top_p)  # p_0..p_K [B, K+1, V]
     lp_d = jnp.take_along_axis(lp[:, :K], drafts[..., None], -1)[..., 0]
     lq_d = jnp.take_along_axis(lq, drafts[..., None], -1)[..., 0]
     u = jax.random.uniform(keys[1], (B, K), minval=1e-30)
     acc = jnp.where(greedy, drafts == jnp.argmax(lp[:, :K], -1), jnp.log(u) < lp_d - lq_d)
-    n = jnp.sum(jnp.cumprod(acc.astype(jnp.int32), 1), 1)                         # accepted drafts [B]
+    n = jnp.sum(jnp.cumprod(acc.astype(jnp.int32), 1), 1)  # accepted drafts [B]
     p_n = take(lp, n[:, None, None])[:, 0]
     q_n = jnp.where((n < K)[:, None], jnp.exp(take(lq, jnp.minimum(n, K - 1)[:, None, None])[:, 0]), 0.0)
     resid = jnp.maximum(jnp.exp(p_n) - q_n, 0.0)
@@ -335,21 +393,40 @@ def _generate_spec(st: _Static, variables, prompts, lens, knobs, ids, rng):
     # Draft: tokens Z = x_{s+2}..x_{s_new+1} (committed), then the drafts as they are drawn.
     jz = jnp.arange(2 * K)
     Z = take(toks, jnp.minimum((s + 2 + pad)[:, None] + jz, C - 1))
-    drafts, lq, carries, mcache, _ = draft_step(a, v, S["mcache"], S["carries"], hid, Z, s, n, pad, ~done,
-                                                sampler(keys[3:]))
+    drafts, lq, carries, mcache, _ = draft_step(
+      a, v, S["mcache"], S["carries"], hid, Z, s, n, pad, ~done, sampler(keys[3:])
+    )
     na = active.astype(jnp.int32)
-    return dict(it=S["it"] + 1, cache=cache, mcache=mcache, toks=toks, logp=logp, s=s_new, g=g, done=done,
-                drafts=drafts, lq=lq, carries=carries, conf=_accumulate(S["conf"], conf, ntok),
-                ntok=S["ntok"] + ntok,
-                accepted=S["accepted"] + jnp.sum(n * na), proposed=S["proposed"] + K * jnp.sum(na), calls=S["calls"] + jnp.sum(na))
+    return dict(
+      it=S["it"] + 1,
+      cache=cache,
+      mcache=mcache,
+      toks=toks,
+      logp=logp,
+      s=s_new,
+      g=g,
+      done=done,
+      drafts=drafts,
+      lq=lq,
+      carries=carries,
+      conf=_accumulate(S["conf"], conf, ntok),
+      ntok=S["ntok"] + ntok,
+      accepted=S["accepted"] + jnp.sum(n * na),
+      proposed=S["proposed"] + K * jnp.sum(na),
+      calls=S["calls"] + jnp.sum(na),
+    )
 
   S = lax.while_loop(lambda S: ~jnp.all(S["done"]) & (S["it"] < N), body, state)
-  resp = S["toks"][:, P:P + N]
+  resp = S["toks"][:, P : P + N]
   mask = (jnp.arange(N)[None] < S["g"][:, None]).astype(jnp.float32)
-  out = _result(st, eos, prompts, jnp.where(mask > 0, resp, pad_id), S["logp"][:, P:P + N], mask, S["conf"],
-                S["ntok"], conf_p)
-  out.update(accept_rate=S["accepted"] / jnp.maximum(S["proposed"], 1),
-             tokens_per_call=S["g"].sum() / (B + S["calls"]), num_steps=S["it"])
+  out = _result(
+    st, eos, prompts, jnp.where(mask > 0, resp, pad_id), S["logp"][:, P : P + N], mask, S["conf"], S["ntok"], conf_p
+  )
+  out.update(
+    accept_rate=S["accepted"] / jnp.maximum(S["proposed"], 1),
+    tokens_per_call=S["g"].sum() / (B + S["calls"]),
+    num_steps=S["it"],
+  )
   return out
 
 
@@ -361,11 +438,13 @@ def _compiled(st: _Static, spec: bool, options: tuple):
 
 @functools.lru_cache(maxsize=16)
 def _compiled_call(args: ModelArgs, options: tuple):
-  return jax.jit(lambda v, *xs: model_call(args, cast_variables(v, args.dtype), *xs),
-                 compiler_options=dict(options) or None)
+  return jax.jit(
+    lambda v, *xs: model_call(args, cast_variables(v, args.dtype), *xs), compiler_options=dict(options) or None
+  )
 
 
 # ----------------------------------------------------------------------------------------------------------------
+
 
 class RolloutEngine:
   """Batched KV-cached generation (see the module docstring). The caller repeats prompts for N responses each.
@@ -378,8 +457,21 @@ class RolloutEngine:
   Engines that differ only in eos/pad ids and sampling knobs share one compiled program (they are traced inputs).
   """
 
-  def __init__(self, model_cfg, *, max_prompt_len, max_new_tokens, eos_id, pad_id, dtype="bfloat16",
-               temperature=1.0, top_p=1.0, logit_noise=0.0, spec_decode=False, compiler_options=None):
+  def __init__(
+    self,
+    model_cfg,
+    *,
+    max_prompt_len,
+    max_new_tokens,
+    eos_id,
+    pad_id,
+    dtype="bfloat16",
+    temperature=1.0,
+    top_p=1.0,
+    logit_noise=0.0,
+    spec_decode=False,
+    compiler_options=None,
+  ):
     base = M.as_args(model_cfg)
     for name, val in (("max_prompt_len", max_prompt_len), ("max_new_tokens", max_new_tokens)):
       if int(val) < 1:
@@ -424,11 +516,11 @@ class RolloutEngine:
       ln = None
     if ln is not None and (ln.min() < 1 or ln.max() > Pw):
       raise ValueError(f"prompt_lens must lie in [1, {Pw}] (prompts shape {prompts.shape}), got {ln.tolist()}")
-    prompts = jnp.pad(prompts.astype(jnp.int32), ((0, 0), (self.max_prompt_len - Pw, 0)),
-                      constant_values=self.pad_id)
+    prompts = jnp.pad(prompts.astype(jnp.int32), ((0, 0), (self.max_prompt_len - Pw, 0)), constant_values=self.pad_id)
     ids = jnp.asarray([self.eos_id, self.pad_id], jnp.int32)
-    return _compiled(self._static, self.spec_decode, self._options)(variables, prompts, lens.astype(jnp.int32),
-                                                                     self.knobs, ids, rng)
+    return _compiled(self._static, self.spec_decode, self._options)(
+      variables, prompts, lens.astype(jnp.int32), self.knobs, ids, rng
+    )
 
   # Low-level pieces (tests, benchmarks): the exact cached call generate() uses, in the engine's dtype.
   def init_cache(self, batch, length, lookahead=0, mtp=False):

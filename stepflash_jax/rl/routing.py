@@ -15,6 +15,7 @@ Routing probabilities from the logits, per ``score_fn``:
   "softmax": p = softmax(logits)
   "scores":  the first argument already holds nonnegative scores s (e.g. sigmoid outputs); p = s / sum_e s
 """
+
 from __future__ import annotations
 
 import jax
@@ -26,42 +27,43 @@ SCORE_FNS = ("sigmoid", "softmax", "scores")
 
 
 def routing_probs(router_logits, score_fn="sigmoid"):
-    """[..., E] float32 -> routing probabilities over all experts [..., E] (see module docstring)."""
-    if score_fn not in SCORE_FNS:
-        raise ValueError(f"routing_probs: score_fn must be one of {SCORE_FNS}, got {score_fn!r}")
-    z = jnp.asarray(router_logits, jnp.float32)
-    if score_fn == "softmax":
-        return jax.nn.softmax(z, axis=-1)
-    s = jax.nn.sigmoid(z) if score_fn == "sigmoid" else z
-    return s / jnp.maximum(s.sum(-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+  """[..., E] float32 -> routing probabilities over all experts [..., E] (see module docstring)."""
+  if score_fn not in SCORE_FNS:
+    raise ValueError(f"routing_probs: score_fn must be one of {SCORE_FNS}, got {score_fn!r}")
+  z = jnp.asarray(router_logits, jnp.float32)
+  if score_fn == "softmax":
+    return jax.nn.softmax(z, axis=-1)
+  s = jax.nn.sigmoid(z) if score_fn == "sigmoid" else z
+  return s / jnp.maximum(s.sum(-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
 
 
 def routing_confidence(router_logits, topk_idx, mask, score_fn="sigmoid", per_token=False):
-    """Sigma_k per MoE layer and averaged over layers.
+  """Sigma_k per MoE layer and averaged over layers.
 
-    Args: router_logits float32 [L, B, T, E]; topk_idx integer [L, B, T, k]; mask [B, T] (module docstring).
-    Returns (per_layer float32 [L], mean float32 scalar), where per_layer[l] = sum_{b,t} mask * sum_{j<k}
-      p[l, b, t, topk_idx[l, b, t, j]] / max(#valid, 1) and mean = mean_l per_layer[l] (equal to the average over
-      all (layer, valid token) pairs). With per_token=True also the per-token Sigma [L, B, T] (0 where masked).
-    """
-    fn = "routing_confidence"
-    shown = {"router_logits": router_logits, "topk_idx": topk_idx, "mask": mask}
-    (router_logits,) = check_arrays(fn, {"router_logits": router_logits}, ndim=4, masks=(),
-                                    expect="[L, B, T, E]", context=shown)
-    L, B, T, E = router_logits.shape
-    if jnp.ndim(topk_idx) != 4 or tuple(jnp.shape(topk_idx)[:3]) != (L, B, T):
-        _fail(fn, f"topk_idx must be [L, B, T, k] = [{L}, {B}, {T}, k]", shown)
-    topk_idx = jnp.asarray(topk_idx)
-    if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
-        _fail(fn, f"topk_idx must be integer, is {topk_idx.dtype.name}", shown)
-    if not 1 <= topk_idx.shape[-1] <= E:
-        _fail(fn, f"topk_idx must choose 1 <= k <= E = {E} experts, has k = {topk_idx.shape[-1]}", shown)
-    (mask,) = check_arrays(fn, {"mask": mask}, shape=(B, T), expect="[B, T]", context=shown)
-    valid = mask != 0
-    z = jnp.where(valid[None, :, :, None], router_logits, 0.0)    # garbage at masked tokens never matters
-    p = routing_probs(z, score_fn)
-    sigma = jnp.take_along_axis(p, topk_idx.astype(jnp.int32), axis=-1, mode="clip").sum(-1)   # [L, B, T]
-    sigma = jnp.where(valid[None], sigma, 0.0)
-    per_layer = sigma.sum((1, 2)) / jnp.maximum(valid.sum(), 1).astype(jnp.float32)
-    mean = per_layer.mean()
-    return (per_layer, mean, sigma) if per_token else (per_layer, mean)
+  Args: router_logits float32 [L, B, T, E]; topk_idx integer [L, B, T, k]; mask [B, T] (module docstring).
+  Returns (per_layer float32 [L], mean float32 scalar), where per_layer[l] = sum_{b,t} mask * sum_{j<k}
+    p[l, b, t, topk_idx[l, b, t, j]] / max(#valid, 1) and mean = mean_l per_layer[l] (equal to the average over
+    all (layer, valid token) pairs). With per_token=True also the per-token Sigma [L, B, T] (0 where masked).
+  """
+  fn = "routing_confidence"
+  shown = {"router_logits": router_logits, "topk_idx": topk_idx, "mask": mask}
+  (router_logits,) = check_arrays(
+    fn, {"router_logits": router_logits}, ndim=4, masks=(), expect="[L, B, T, E]", context=shown
+  )
+  L, B, T, E = router_logits.shape
+  if jnp.ndim(topk_idx) != 4 or tuple(jnp.shape(topk_idx)[:3]) != (L, B, T):
+    _fail(fn, f"topk_idx must be [L, B, T, k] = [{L}, {B}, {T}, k]", shown)
+  topk_idx = jnp.asarray(topk_idx)
+  if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
+    _fail(fn, f"topk_idx must be integer, is {topk_idx.dtype.name}", shown)
+  if not 1 <= topk_idx.shape[-1] <= E:
+    _fail(fn, f"topk_idx must choose 1 <= k <= E = {E} experts, has k = {topk_idx.shape[-1]}", shown)
+  (mask,) = check_arrays(fn, {"mask": mask}, shape=(B, T), expect="[B, T]", context=shown)
+  valid = mask != 0
+  z = jnp.where(valid[None, :, :, None], router_logits, 0.0)  # garbage at masked tokens never matters
+  p = routing_probs(z, score_fn)
+  sigma = jnp.take_along_axis(p, topk_idx.astype(jnp.int32), axis=-1, mode="clip").sum(-1)  # [L, B, T]
+  sigma = jnp.where(valid[None], sigma, 0.0)
+  per_layer = sigma.sum((1, 2)) / jnp.maximum(valid.sum(), 1).astype(jnp.float32)
+  mean = per_layer.mean()
+  return (per_layer, mean, sigma) if per_token else (per_layer, mean)

@@ -12,6 +12,7 @@ Everything per generation is logged (reward, accuracy, grad norms, keep fraction
 confidence on the rollout and on the training pass, mean and per MoE layer, throughput); held-out greedy accuracy at
 intervals.
 """
+
 from __future__ import annotations
 
 import collections
@@ -42,21 +43,42 @@ from stepflash_jax.train.metrics import MetricsWriter, Progress, StageClock, plo
 def optimizer(rcfg, ocfg, lr, warmup):
   """Muon with linear warmup (lr * (n + 1) / warmup for update n) to a constant LR, weight decay 0.1, clip 1.0."""
   sched = lambda count: lr * jnp.minimum(1.0, (count + 1) / max(warmup, 1))
-  return muon(sched, method=ocfg.muon_method, ortho_dtype=ocfg.ortho_dtype, weight_decay=ocfg.weight_decay,
-              grad_clip_norm=ocfg.grad_clip)
+  return muon(
+    sched,
+    method=ocfg.muon_method,
+    ortho_dtype=ocfg.ortho_dtype,
+    weight_decay=ocfg.weight_decay,
+    grad_clip_norm=ocfg.grad_clip,
+  )
 
 
 def objective(rcfg, logp, mb):
   """The configured actor loss on a mini-batch (all [n, R] float32)."""
   o = rcfg.objective
   if o == "mispo":
-    return losses.mispo_loss(logp, mb["logp_old"], mb["logp_rollout"], mb["adv"], mb["mask"],
-                             tuple(rcfg.token_bounds), tuple(rcfg.traj_bounds), normalizer=rcfg.normalizer)
+    return losses.mispo_loss(
+      logp,
+      mb["logp_old"],
+      mb["logp_rollout"],
+      mb["adv"],
+      mb["mask"],
+      tuple(rcfg.token_bounds),
+      tuple(rcfg.traj_bounds),
+      normalizer=rcfg.normalizer,
+    )
   if o == "ppo":
     return losses.ppo_loss(logp, mb["logp_old"], mb["adv"], mb["mask"], clip_eps=rcfg.ppo_clip)
   if o == "gspo":
-    return losses.gspo_loss(logp, mb["logp_old"], mb["logp_rollout"], mb["adv"], mb["mask"], clip_eps=rcfg.gspo_clip,
-                            token_bounds=tuple(rcfg.token_bounds), traj_bounds=tuple(rcfg.traj_bounds))
+    return losses.gspo_loss(
+      logp,
+      mb["logp_old"],
+      mb["logp_rollout"],
+      mb["adv"],
+      mb["mask"],
+      clip_eps=rcfg.gspo_clip,
+      token_bounds=tuple(rcfg.token_bounds),
+      traj_bounds=tuple(rcfg.traj_bounds),
+    )
   return losses.tis_loss(logp, mb["logp_old"], mb["logp_rollout"], mb["adv"], mb["mask"], cap=rcfg.tis_cap)
 
 
@@ -64,22 +86,28 @@ def mismatch_stats(rcfg, mb) -> dict:
   """Train/inference mismatch of a mini-batch, logged for every objective (PPO and TIS ignore pi_vllm; for them the
   MIS fractions say what MIS-PO would keep): |log pi_old - log pi_vllm| mean / max over valid tokens, mean
   |log rho| over non-empty responses, MIS token / trajectory / joint keep fractions. All constants of the update."""
-  keep, info = losses.mis_mask(mb["logp_old"], mb["logp_rollout"], mb["mask"], tuple(rcfg.token_bounds),
-                               tuple(rcfg.traj_bounds))
+  keep, info = losses.mis_mask(
+    mb["logp_old"], mb["logp_rollout"], mb["mask"], tuple(rcfg.token_bounds), tuple(rcfg.traj_bounds)
+  )
   n, n_seq = jnp.maximum(info["valid"].sum(), 1), jnp.maximum(info["nonempty"].sum(), 1)
   ad = jnp.abs(info["log_x"])
-  return {"logp_abs_diff_mean": ad.sum() / n, "logp_abs_diff_max": ad.max(),
-          "log_rho_abs_mean": jnp.abs(info["log_rho"]).sum() / n_seq,
-          "mis_token_keep_frac": info["token_ok"].sum() / n, "mis_traj_keep_frac": info["traj_ok"].sum() / n_seq,
-          "mis_kept_frac": keep.sum() / n}
+  return {
+    "logp_abs_diff_mean": ad.sum() / n,
+    "logp_abs_diff_max": ad.max(),
+    "log_rho_abs_mean": jnp.abs(info["log_rho"]).sum() / n_seq,
+    "mis_token_keep_frac": info["token_ok"].sum() / n,
+    "mis_traj_keep_frac": info["traj_ok"].sum() / n_seq,
+    "mis_kept_frac": keep.sum() / n,
+  }
 
 
 def response_logits(args, variables, mb, prompt_len, stats=False):
   """Training-engine logits predicting each response token: [n, R, V] (fp32), and the MoE stats."""
-  out, st = model_lib.apply(args, variables, mb["tokens"], positions=mb["positions"],
-                            segment_ids=mb["segment_ids"], stats=True)
+  out, st = model_lib.apply(
+    args, variables, mb["tokens"], positions=mb["positions"], segment_ids=mb["segment_ids"], stats=True
+  )
   R = mb["tokens"].shape[1] - prompt_len
-  return out["logits"][:, prompt_len - 1:prompt_len - 1 + R], st
+  return out["logits"][:, prompt_len - 1 : prompt_len - 1 + R], st
 
 
 def token_logp(logits, tokens):
@@ -96,11 +124,18 @@ class Functions:
     def score(params, router, mb):
       logits, st = response_logits(args, {"params": params, "router": router}, mb, P)
       mask = mb["mask"]
-      return (token_logp(logits, mb["response"]), losses.entropy_from_logits(logits, mask),
-              stat_layers(st, "confidence"))
+      return (
+        token_logp(logits, mb["response"]),
+        losses.entropy_from_logits(logits, mask),
+        stat_layers(st, "confidence"),
+      )
+
     self.score = jax.jit(score)
-    self.values = jax.jit(lambda cp, router, mb: response_values(
-        args, {"params": cp, "router": router}, mb["tokens"], mb["positions"], mb["segment_ids"], P))
+    self.values = jax.jit(
+      lambda cp, router, mb: response_values(
+        args, {"params": cp, "router": router}, mb["tokens"], mb["positions"], mb["segment_ids"], P
+      )
+    )
 
     def actor_loss(params, router, mb):
       logits, st = response_logits(args, {"params": params, "router": router}, mb, P)
@@ -115,8 +150,13 @@ class Functions:
     def actor_step(state, mb):
       (loss, m), g = jax.value_and_grad(actor_loss, has_aux=True)(state["params"], state["router"], mb)
       params, opt, gnorm, skipped = sft.guarded_update(state, g, loss, actor_tx, freeze_mask)
-      return {**state, "params": params, "opt": opt}, {**m, "actor_loss": loss, "actor_grad_norm": gnorm,
-                                                        "skipped": skipped}
+      return {**state, "params": params, "opt": opt}, {
+        **m,
+        "actor_loss": loss,
+        "actor_grad_norm": gnorm,
+        "skipped": skipped,
+      }
+
     self.actor_step = jax.jit(actor_step)
 
     def critic_loss(cp, router, mb):
@@ -125,10 +165,15 @@ class Functions:
 
     def critic_step(state, mb):
       (loss, _), g = jax.value_and_grad(critic_loss, has_aux=True)(state["params"], state["router"], mb)
-      params, opt, gnorm, skipped = sft.guarded_update(state, g, loss, critic_tx,
-                                                       jax.tree.map(lambda _: 1.0, state["params"]))
-      return {**state, "params": params, "opt": opt}, {"critic_loss": loss, "critic_grad_norm": gnorm,
-                                                        "skipped": skipped}
+      params, opt, gnorm, skipped = sft.guarded_update(
+        state, g, loss, critic_tx, jax.tree.map(lambda _: 1.0, state["params"])
+      )
+      return {**state, "params": params, "opt": opt}, {
+        "critic_loss": loss,
+        "critic_grad_norm": gnorm,
+        "skipped": skipped,
+      }
+
     self.critic_step = jax.jit(critic_step)
 
     def advantages(values, mask, task_reward, truncated):
@@ -136,6 +181,7 @@ class Functions:
       term = adv_lib.terminal_rewards(task_reward, truncated, final, mode=rcfg.truncation)
       r = adv_lib.place_terminal_reward(term, mask)
       return adv_lib.gae_advantages(r, values, mask, rcfg.gamma, rcfg.lam)
+
     self.advantages = jax.jit(advantages)
 
   def compile(self, state, batch, minibatch_counts, mesh, rules):
@@ -147,8 +193,12 @@ class Functions:
     jb = parallel.shard_batch(batch, mesh, rules, global_batch=True)
     amb, cmb = (next(minibatches(full, m, np.random.default_rng(0), mesh, rules)) for m in minibatch_counts)
     a, c = state["actor"], state["critic"]
-    jobs = {"score": (a["params"], a["router"], jb), "values": (c["params"], c["router"], jb),
-            "actor_step": (a, amb), "critic_step": (c, cmb)}
+    jobs = {
+      "score": (a["params"], a["router"], jb),
+      "values": (c["params"], c["router"], jb),
+      "actor_step": (a, amb),
+      "critic_step": (c, cmb),
+    }
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
       done = {k: pool.submit(lambda k=k: getattr(self, k).lower(*jobs[k]).compile()) for k in jobs}
       for k, fut in done.items():
@@ -160,11 +210,14 @@ def sequences(prompts, gen):
   R = gen["response"].shape[1]
   mask = np.asarray(gen["response_mask"], np.float32)
   pos_r = prompts["lengths"][:, None] + np.arange(R)[None]
-  return {"tokens": np.concatenate([prompts["tokens"], np.asarray(gen["response"])], 1).astype(np.int32),
-          "positions": np.concatenate([prompts["positions"], pos_r], 1).astype(np.int32),
-          "segment_ids": np.concatenate([prompts["segment_ids"], mask.astype(np.int32)], 1),
-          "response": np.asarray(gen["response"], np.int32), "mask": mask,
-          "logp_rollout": np.asarray(gen["logp"], np.float32)}
+  return {
+    "tokens": np.concatenate([prompts["tokens"], np.asarray(gen["response"])], 1).astype(np.int32),
+    "positions": np.concatenate([prompts["positions"], pos_r], 1).astype(np.int32),
+    "segment_ids": np.concatenate([prompts["segment_ids"], mask.astype(np.int32)], 1),
+    "response": np.asarray(gen["response"], np.int32),
+    "mask": mask,
+    "logp_rollout": np.asarray(gen["logp"], np.float32),
+  }
 
 
 def repeat_prompts(batch, n):
@@ -202,13 +255,24 @@ def _run(config, workdir, log, mesh, rules):
   actor_tx = optimizer(rc, config.optim, rc.actor_lr, rc.actor_warmup)
   critic_tx = optimizer(rc, config.optim, rc.critic_lr, rc.critic_warmup)
   critic_vars = parallel.place_state(critic_from_actor(ref), args, mesh, rules)
-  state = {"actor": {"params": ref["params"], "router": ref["router"],
-                     "opt": parallel.init_opt_state(actor_tx, ref["params"], args, mesh, rules)},
-           "critic": {"params": critic_vars["params"], "router": critic_vars["router"],
-                      "opt": parallel.init_opt_state(critic_tx, critic_vars["params"], args, mesh, rules)},
-           "step": jnp.int32(0)}
-  data = iter(prompt_dataset(tok, batch_size=rc.prompts_per_step, max_prompt_len=P, mixture=config.data.mixture,
-                             seed=config.seed + 1))
+  state = {
+    "actor": {
+      "params": ref["params"],
+      "router": ref["router"],
+      "opt": parallel.init_opt_state(actor_tx, ref["params"], args, mesh, rules),
+    },
+    "critic": {
+      "params": critic_vars["params"],
+      "router": critic_vars["router"],
+      "opt": parallel.init_opt_state(critic_tx, critic_vars["params"], args, mesh, rules),
+    },
+    "step": jnp.int32(0),
+  }
+  data = iter(
+    prompt_dataset(
+      tok, batch_size=rc.prompts_per_step, max_prompt_len=P, mixture=config.data.mixture, seed=config.seed + 1
+    )
+  )
   rl_dir = os.path.join(workdir, "rl")
   ckpt = Checkpointer(os.path.join(rl_dir, "checkpoints"), max_to_keep=config.train.keep_checkpoints)
   start = ckpt.latest_step() or 0
@@ -216,16 +280,29 @@ def _run(config, workdir, log, mesh, rules):
     state, extra = ckpt.restore(start, target=state)
     data.set_state(extra["data"])
     log(f"rl: resumed from generation {start} in {rl_dir}")
-  writer = MetricsWriter(rl_dir, "rl", resume_step=start if start else -1)   # a fresh start drops a stale log
-  if not start:                                           # generation 0 = the SFT policy: the curves' first point
+  writer = MetricsWriter(rl_dir, "rl", resume_step=start if start else -1)  # a fresh start drops a stale log
+  if not start:  # generation 0 = the SFT policy: the curves' first point
     writer.write(0, {f"eval/{k}": v for k, v in acc0.items()})
   fns = Functions(args, rc, actor_tx, critic_tx, P, sft.frozen_mask(ref["params"], rc.freeze_router))
-  engine = RolloutEngine(config.model, max_prompt_len=P, max_new_tokens=R, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                         dtype=rc.rollout_dtype, temperature=rc.temperature, top_p=rc.top_p,
-                         logit_noise=rc.logit_noise)
-  stale = collections.deque(maxlen=rc.staleness + 1)       # rollout policy = actor of `staleness` steps ago
-  prog = Progress(rc.steps, every=rc.log_every, desc=f"rl/{rc.objective}", start_step=start,
-                  keys=["reward", "accuracy", "actor_grad_norm", "critic_loss", "kept_frac", "confidence_rollout"])
+  engine = RolloutEngine(
+    config.model,
+    max_prompt_len=P,
+    max_new_tokens=R,
+    eos_id=tok.eos_id,
+    pad_id=tok.pad_id,
+    dtype=rc.rollout_dtype,
+    temperature=rc.temperature,
+    top_p=rc.top_p,
+    logit_noise=rc.logit_noise,
+  )
+  stale = collections.deque(maxlen=rc.staleness + 1)  # rollout policy = actor of `staleness` steps ago
+  prog = Progress(
+    rc.steps,
+    every=rc.log_every,
+    desc=f"rl/{rc.objective}",
+    start_step=start,
+    keys=["reward", "accuracy", "actor_grad_norm", "critic_loss", "kept_frac", "confidence_rollout"],
+  )
   acc = acc0
   for step in range(start, rc.steps):
     t0 = time.time()
@@ -234,8 +311,9 @@ def _run(config, workdir, log, mesh, rules):
     actor = state["actor"]
     stale.append({"params": actor["params"], "router": actor["router"]})
     prompts = repeat_prompts(next(data), rc.samples_per_prompt)
-    pb = parallel.shard_batch({"tokens": prompts["tokens"], "lengths": prompts["lengths"]}, mesh, rules,
-                              global_batch=True)
+    pb = parallel.shard_batch(
+      {"tokens": prompts["tokens"], "lengths": prompts["lengths"]}, mesh, rules, global_batch=True
+    )
     gen = parallel.to_host(engine.generate(stale[0], pb["tokens"], pb["lengths"], jax.random.key(rng.integers(2**31))))
     clock.stop("rollout")
     batch = sequences(prompts, gen)
@@ -251,8 +329,9 @@ def _run(config, workdir, log, mesh, rules):
     values = fns.values(state["critic"]["params"], state["critic"]["router"], jb)
     adv, ret = fns.advantages(values, jb["mask"], jnp.asarray(scored["reward"]), jnp.asarray(scored["truncated"]))
     logp_old, logp_ref, adv, ret, values = parallel.to_host((logp_old, logp_ref, adv, ret, values))
-    batch.update(logp_old=np.asarray(logp_old), logp_ref=np.asarray(logp_ref), adv=np.asarray(adv),
-                 returns=np.asarray(ret))
+    batch.update(
+      logp_old=np.asarray(logp_old), logp_ref=np.asarray(logp_ref), adv=np.asarray(adv), returns=np.asarray(ret)
+    )
     clock.stop("score")
     am, cm = [], []
     for mb in minibatches(batch, rc.actor_minibatches, rng, mesh, rules):
@@ -269,22 +348,29 @@ def _run(config, workdir, log, mesh, rules):
     n_tok = float(batch["mask"].sum())
     metrics = {k: float(np.mean([m[k] for m in am])) for k in am[0] if k not in ("skipped",)}
     metrics.update({k: float(np.mean([m[k] for m in cm])) for k in ("critic_loss", "critic_grad_norm")})
-    metrics.update(reward=float(scored["reward"].mean()), accuracy=float(scored["correct"].mean()),
-                   truncation_rate=float(scored["truncated"].mean()), actor_grad_norm_max=float(gn.max()),
-                   entropy=float(entropy), confidence_rollout=float(gen["routing_confidence"]),
-                   confidence_score=float(np.mean(list(conf_score.values()))) if conf_score else float("nan"),
-                   response_tokens=n_tok / len(batch["mask"]),
-                   value_mean=float(values.mean()), advantage_mean=float(adv.sum() / max(n_tok, 1)),
-                   skipped=float(sum(m["skipped"] for m in am) + sum(m["skipped"] for m in cm)),
-                   tokens_per_s=n_tok / (time.time() - t0))
+    metrics.update(
+      reward=float(scored["reward"].mean()),
+      accuracy=float(scored["correct"].mean()),
+      truncation_rate=float(scored["truncated"].mean()),
+      actor_grad_norm_max=float(gn.max()),
+      entropy=float(entropy),
+      confidence_rollout=float(gen["routing_confidence"]),
+      confidence_score=float(np.mean(list(conf_score.values()))) if conf_score else float("nan"),
+      response_tokens=n_tok / len(batch["mask"]),
+      value_mean=float(values.mean()),
+      advantage_mean=float(adv.sum() / max(n_tok, 1)),
+      skipped=float(sum(m["skipped"] for m in am) + sum(m["skipped"] for m in cm)),
+      tokens_per_s=n_tok / (time.time() - t0),
+    )
     # per MoE layer: Sigma_k of the rollout engine and of the training engine's pass over the same samples
     metrics.update({f"confidence_rollout/{k}": float(v) for k, v in gen["routing_confidence_layers"].items()})
     metrics.update({f"confidence_score/{k}": float(v) for k, v in conf_score.items()})
     if metrics["skipped"]:
       log(f"rl: generation {step + 1}: {int(metrics['skipped'])} non-finite update(s) skipped")
     if (step + 1) % rc.eval_every == 0 or step + 1 == rc.steps:
-      acc = evaluate.accuracy(config, {"params": state["actor"]["params"], "router": state["actor"]["router"]},
-                              tok, eval_set)
+      acc = evaluate.accuracy(
+        config, {"params": state["actor"]["params"], "router": state["actor"]["router"]}, tok, eval_set
+      )
       metrics.update({f"eval/{k}": v for k, v in acc.items()})
       clock.stop("eval")
       log(f"rl: generation {step + 1}: held-out accuracy {acc['accuracy']:.3f} (SFT {acc0['accuracy']:.3f})")
@@ -296,34 +382,58 @@ def _run(config, workdir, log, mesh, rules):
   writer.close()
   ckpt.wait()
   if start >= rc.steps:
-    acc = evaluate.accuracy(config, {"params": state["actor"]["params"], "router": state["actor"]["router"]},
-                            tok, eval_set)
+    acc = evaluate.accuracy(
+      config, {"params": state["actor"]["params"], "router": state["actor"]["router"]}, tok, eval_set
+    )
   return finish(config, workdir, acc0, acc, log)
 
 
 def finish(config, workdir, acc0, acc, log):
   rl_dir = os.path.join(workdir, "rl")
   jsonl = os.path.join(rl_dir, "metrics_rl.jsonl")
-  plot_metrics(jsonl, ["reward", "accuracy", "eval/accuracy", "actor_grad_norm", "critic_loss", "kept_frac",
-                       "token_keep_frac", "traj_keep_frac", "entropy", "kl", "confidence_rollout",
-                       "confidence_train", "truncation_rate"], os.path.join(workdir, "rl.png"),
-               title=f"RL ({config.rl.objective})")
+  plot_metrics(
+    jsonl,
+    [
+      "reward",
+      "accuracy",
+      "eval/accuracy",
+      "actor_grad_norm",
+      "critic_loss",
+      "kept_frac",
+      "token_keep_frac",
+      "traj_keep_frac",
+      "entropy",
+      "kl",
+      "confidence_rollout",
+      "confidence_train",
+      "truncation_rate",
+    ],
+    os.path.join(workdir, "rl.png"),
+    title=f"RL ({config.rl.objective})",
+  )
   from stepflash_jax.train.metrics import read_jsonl
+
   rows = [r for r in read_jsonl(jsonl) if "reward" in r]
   gn = np.array([r["actor_grad_norm"] for r in rows if "actor_grad_norm" in r])
-  summary = {"objective": config.rl.objective, "generations": len(rows),
-             "accuracy_before": acc0["accuracy"], "accuracy_after": acc["accuracy"],
-             "gain_points": 100 * (acc["accuracy"] - acc0["accuracy"]),
-             "train_reward_first10": float(np.mean([r["reward"] for r in rows[:10]])) if rows else float("nan"),
-             "train_reward_last10": float(np.mean([r["reward"] for r in rows[-10:]])) if rows else float("nan"),
-             "actor_grad_norm_mean": float(gn.mean()) if gn.size else float("nan"),
-             "actor_grad_norm_std": float(gn.std()) if gn.size else float("nan")}
+  summary = {
+    "objective": config.rl.objective,
+    "generations": len(rows),
+    "accuracy_before": acc0["accuracy"],
+    "accuracy_after": acc["accuracy"],
+    "gain_points": 100 * (acc["accuracy"] - acc0["accuracy"]),
+    "train_reward_first10": float(np.mean([r["reward"] for r in rows[:10]])) if rows else float("nan"),
+    "train_reward_last10": float(np.mean([r["reward"] for r in rows[-10:]])) if rows else float("nan"),
+    "actor_grad_norm_mean": float(gn.mean()) if gn.size else float("nan"),
+    "actor_grad_norm_std": float(gn.std()) if gn.size else float("nan"),
+  }
   table = summary_table([summary], list(summary))
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1)
   with open(os.path.join(workdir, "summary.md"), "w") as f:
     f.write(table + "\n")
   log(table)
-  log(f"plots: {os.path.join(workdir, 'sft', 'sft.png')}, {os.path.join(workdir, 'rl.png')}; "
-      f"TensorBoard: tensorboard --logdir {workdir}")
+  log(
+    f"plots: {os.path.join(workdir, 'sft', 'sft.png')}, {os.path.join(workdir, 'rl.png')}; "
+    f"TensorBoard: tensorboard --logdir {workdir}"
+  )
   return summary

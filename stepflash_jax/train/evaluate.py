@@ -1,4 +1,5 @@
 """Held-out exact-match accuracy by greedy decoding with the rollout engine (same code path as RL sampling)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -10,8 +11,14 @@ from stepflash_jax.data.pipeline import example_dataset
 
 def heldout_examples(config) -> list:
   """A fixed list of test-split problems (disjoint from training by construction)."""
-  ds = example_dataset(mixture=config.data.mixture, split="test", seed=config.eval.seed,
-                       num_examples=config.eval.num_examples, num_epochs=1, shuffle=False)
+  ds = example_dataset(
+    mixture=config.data.mixture,
+    split="test",
+    seed=config.eval.seed,
+    num_examples=config.eval.num_examples,
+    num_epochs=1,
+    shuffle=False,
+  )
   return [ds[i] for i in range(config.eval.num_examples)]
 
 
@@ -20,15 +27,22 @@ def accuracy(config, variables, tok, examples, engine=None) -> dict:
   eval.dtype, checked by their task's rule checker. An engine with the rollout's dtype, prompt width, length limit
   and batch size runs the rollout's compiled program (the sampling settings are traced inputs)."""
   from stepflash_jax.rl.rollout import RolloutEngine
+
   e = config.eval
-  engine = engine or RolloutEngine(config.model, max_prompt_len=config.data.max_prompt_len,
-                                   max_new_tokens=e.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                                   dtype=e.get("dtype", "float32"), temperature=0.0)
+  engine = engine or RolloutEngine(
+    config.model,
+    max_prompt_len=config.data.max_prompt_len,
+    max_new_tokens=e.max_new_tokens,
+    eos_id=tok.eos_id,
+    pad_id=tok.pad_id,
+    dtype=e.get("dtype", "float32"),
+    temperature=0.0,
+  )
   correct, truncated, by_family = [], [], {}
   for i in range(0, len(examples), e.batch_size):
-    chunk = examples[i:i + e.batch_size]
+    chunk = examples[i : i + e.batch_size]
     n = len(chunk)
-    chunk = chunk + [chunk[-1]] * (e.batch_size - n)        # fixed batch shape: one compilation
+    chunk = chunk + [chunk[-1]] * (e.batch_size - n)  # fixed batch shape: one compilation
     p = pad_prompts([tok.format_prompt(x["prompt"]) for x in chunk], config.data.max_prompt_len, pad_id=tok.pad_id)
     out = engine.generate(variables, p["tokens"], p["lengths"], jax.random.key(0))
     resp, trunc = np.asarray(out["response"]), np.asarray(out["truncated"])

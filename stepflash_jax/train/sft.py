@@ -6,15 +6,13 @@ Each CE is averaged over the assistant tokens of the batch (loss_mask), never ac
 (segment ids reach the attention). One jitted step: grads -> global-norm clip 1.0 -> Muon/AdamW; a step with
 a non-finite loss or gradient is skipped (params and optimizer state unchanged) and reported as `skipped=1`.
 """
+
 from __future__ import annotations
 
-import functools
 import os
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from stepflash_jax import model as model_lib
@@ -35,15 +33,22 @@ def lr_schedule(peak: float, total_steps: int, warmup_frac: float = 0.03, end_fr
 
 def make_optimizer(ocfg, lr) -> optax.GradientTransformation:
   """Muon (Polar Express, fp16) for matrices + AdamW for embeddings/heads/1-D params; grad clip by global norm."""
-  return muon(lr, method=ocfg.muon_method, ortho_dtype=ocfg.ortho_dtype, weight_decay=ocfg.weight_decay,
-              grad_clip_norm=ocfg.grad_clip)
+  return muon(
+    lr,
+    method=ocfg.muon_method,
+    ortho_dtype=ocfg.ortho_dtype,
+    weight_decay=ocfg.weight_decay,
+    grad_clip_norm=ocfg.grad_clip,
+  )
 
 
 def frozen_mask(params, freeze_router: bool):
   """1.0 for trainable leaves, 0.0 for the router weights when frozen (their update, incl. decay, is zeroed)."""
+
   def m(path, _):
     names = [getattr(p, "key", "") for p in path]
     return 0.0 if (freeze_router and "router" in names) else 1.0
+
   return jax.tree_util.tree_map_with_path(m, params)
 
 
@@ -55,9 +60,15 @@ def token_ce(logits, targets, mask):
 
 
 def sft_loss(params, router, batch, args, mtp_weight: float, ep_coef: float = 0.0, ep_groups: int = 1):
-  out, stats = model_lib.apply(args, {"params": params, "router": router}, batch["tokens"],
-                               positions=batch["positions"], segment_ids=batch["segment_ids"],
-                               mtp=mtp_weight > 0, stats=True)
+  out, stats = model_lib.apply(
+    args,
+    {"params": params, "router": router},
+    batch["tokens"],
+    positions=batch["positions"],
+    segment_ids=batch["segment_ids"],
+    mtp=mtp_weight > 0,
+    stats=True,
+  )
   s, n = token_ce(out["logits"], batch["targets"], batch["loss_mask"])
   main = s / jnp.maximum(n, 1.0)
   metrics = {"loss": main, "tokens": n}
@@ -92,8 +103,9 @@ def make_train_step(args, tx, tcfg, lr_fn, mask):
   @jax.jit
   def step(state, batch):
     grad_fn = jax.value_and_grad(sft_loss, has_aux=True)
-    (loss, (metrics, stats)), grads = grad_fn(state["params"], state["router"], batch, args, tcfg.mtp_weight,
-                                              tcfg.ep_balance_coef, tcfg.ep_groups)
+    (loss, (metrics, stats)), grads = grad_fn(
+      state["params"], state["router"], batch, args, tcfg.mtp_weight, tcfg.ep_balance_coef, tcfg.ep_groups
+    )
     params, opt, gnorm, skipped = guarded_update(state, grads, loss, tx, mask)
     router = state["router"]
     if tcfg.router_bias_rate > 0:
@@ -116,14 +128,23 @@ def _train(config, workdir, log, mesh, rules):
   args = model_lib.as_args(config.model)
   t = config.train
   tok = load_tokenizer(config.data.tokenizer_dir or None, vocab_size=config.model.vocab_size)
-  data = sft_dataset(tok, batch_size=parallel.local_batch_size(config.data.batch_size), seq_len=config.data.seq_len,
-                     mixture=config.data.mixture, seed=config.seed)
+  data = sft_dataset(
+    tok,
+    batch_size=parallel.local_batch_size(config.data.batch_size),
+    seq_len=config.data.seq_len,
+    mixture=config.data.mixture,
+    seed=config.seed,
+  )
   it = iter(data)
   lr_fn = lr_schedule(config.optim.lr, t.steps, config.optim.warmup_frac, config.optim.end_lr_frac)
   tx = make_optimizer(config.optim, lr_fn)
-  variables = parallel.init_variables(args, jax.random.key(config.seed), mesh, rules)   # created sharded
-  state = {"params": variables["params"], "router": variables["router"],
-           "opt": parallel.init_opt_state(tx, variables["params"], args, mesh, rules), "step": jnp.int32(0)}
+  variables = parallel.init_variables(args, jax.random.key(config.seed), mesh, rules)  # created sharded
+  state = {
+    "params": variables["params"],
+    "router": variables["router"],
+    "opt": parallel.init_opt_state(tx, variables["params"], args, mesh, rules),
+    "step": jnp.int32(0),
+  }
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=t.keep_checkpoints)
   start = ckpt.latest_step()
   if start is not None:
@@ -134,8 +155,9 @@ def _train(config, workdir, log, mesh, rules):
   writer = MetricsWriter(workdir, "sft", resume_step=start)
   step_fn = make_train_step(args, tx, t, lr_fn, frozen_mask(state["params"], t.freeze_router))
   eval_set = evaluate.heldout_examples(config)
-  prog = Progress(t.steps, every=t.log_every, desc="sft", keys=["loss", "mtp1_loss", "grad_norm", "lr"],
-                  start_step=start)
+  prog = Progress(
+    t.steps, every=t.log_every, desc="sft", keys=["loss", "mtp1_loss", "grad_norm", "lr"], start_step=start
+  )
   acc = None
   for step in range(start, t.steps):
     batch = parallel.shard_batch(next(it), mesh, rules)
@@ -152,10 +174,17 @@ def _train(config, workdir, log, mesh, rules):
       ckpt.save(step + 1, state, {"data": it.get_state()}, force=True)
   writer.close()
   ckpt.wait()
-  plot_metrics(os.path.join(workdir, "metrics_sft.jsonl"), ["loss", "mtp1_loss", "grad_norm", "lr",
-                                                             "eval/accuracy"], os.path.join(workdir, "sft.png"),
-               title="SFT")
-  if acc is None:   # resumed after the last step: evaluate the restored state
+  plot_metrics(
+    os.path.join(workdir, "metrics_sft.jsonl"),
+    ["loss", "mtp1_loss", "grad_norm", "lr", "eval/accuracy"],
+    os.path.join(workdir, "sft.png"),
+    title="SFT",
+  )
+  if acc is None:  # resumed after the last step: evaluate the restored state
     acc = evaluate.accuracy(config, {"params": state["params"], "router": state["router"]}, tok, eval_set)
-  return {"variables": {"params": state["params"], "router": state["router"]}, "accuracy": acc,
-          "step": int(state["step"]), "tokenizer": tok}
+  return {
+    "variables": {"params": state["params"], "router": state["router"]},
+    "accuracy": acc,
+    "step": int(state["step"]),
+    "tokenizer": tok,
+  }

@@ -1,4 +1,5 @@
 """Validation of a whole run config before anything runs: one-line ValueError naming the field."""
+
 from __future__ import annotations
 
 import math
@@ -72,8 +73,20 @@ def validate_run_config(c, num_devices: int | None = None) -> None:
     r = c.rl
     if r.objective not in OBJECTIVES:
       _err("rl.objective", f"must be one of {OBJECTIVES}, got {r.objective!r}")
-    _positive(c, "rl", ["steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "actor_lr",
-                        "critic_lr", "actor_minibatches", "critic_minibatches"])
+    _positive(
+      c,
+      "rl",
+      [
+        "steps",
+        "prompts_per_step",
+        "samples_per_prompt",
+        "max_new_tokens",
+        "actor_lr",
+        "critic_lr",
+        "actor_minibatches",
+        "critic_minibatches",
+      ],
+    )
     n = r.prompts_per_step * r.samples_per_prompt
     for k in ("actor_minibatches", "critic_minibatches"):
       if n % r[k]:
@@ -98,4 +111,5 @@ def validate_run_config(c, num_devices: int | None = None) -> None:
       _err("mesh.expert", f"{sizes['expert']} does not divide model.num_experts={c.model.num_experts}")
   if "rules" in c.mesh:
     from stepflash_jax.parallel.mesh import check_rules
+
     check_rules(tuple(tuple(r) for r in c.mesh.rules))

@@ -1,12 +1,12 @@
 """Registry of the verifiable task families and the difficulty mixture the data pipeline samples from.
 
-    generate(family, seed, difficulty, split="train", variant=None) -> example dict
-    check(example, completion) -> bool                  dispatch on example["family"]
-    register_task(module_or_namespace)                  add a family (needs FAMILY, DIFFICULTIES, VARIANTS,
-                                                        generate, check, canonical; see tasks/base.py)
-    MixtureComponent(family, difficulties, weight, variant)
-    parse_mixture("arithmetic/+:2-3:2,countdown:3:1") -> tuple[MixtureComponent, ...]
-    sample_example(mixture, seed, index, split) -> example   deterministic in (seed, index)
+generate(family, seed, difficulty, split="train", variant=None) -> example dict
+check(example, completion) -> bool                  dispatch on example["family"]
+register_task(module_or_namespace)                  add a family (needs FAMILY, DIFFICULTIES, VARIANTS,
+                                                    generate, check, canonical; see tasks/base.py)
+MixtureComponent(family, difficulties, weight, variant)
+parse_mixture("arithmetic/+:2-3:2,countdown:3:1") -> tuple[MixtureComponent, ...]
+sample_example(mixture, seed, index, split) -> example   deterministic in (seed, index)
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def check(example: Mapping[str, Any], completion: str) -> bool:
 @dataclasses.dataclass(frozen=True)
 class MixtureComponent:
   """One entry of the sampling mixture: a family, its difficulties (drawn uniformly), a relative weight."""
+
   family: str
   difficulties: tuple[int, ...]
   weight: float = 1.0
@@ -82,11 +83,11 @@ class MixtureComponent:
 # The default SFT / RL mixture, from easy to hard for a tiny model: 2-3 and 3-4 digit addition, 2-3 digit
 # subtraction, 2-3 digit x 1 digit multiplication, countdown with 3 numbers (weights 1 : 1 : 1.5 : 1.5 : 2).
 DEFAULT_MIXTURE = (
-    MixtureComponent("arithmetic", (2, 3), 1.0, "+"),
-    MixtureComponent("arithmetic", (3, 4), 1.0, "+"),
-    MixtureComponent("arithmetic", (2, 3), 1.5, "-"),
-    MixtureComponent("arithmetic", (2, 3), 1.5, "*"),
-    MixtureComponent("countdown", (3,), 2.0),
+  MixtureComponent("arithmetic", (2, 3), 1.0, "+"),
+  MixtureComponent("arithmetic", (3, 4), 1.0, "+"),
+  MixtureComponent("arithmetic", (2, 3), 1.5, "-"),
+  MixtureComponent("arithmetic", (2, 3), 1.5, "*"),
+  MixtureComponent("countdown", (3,), 2.0),
 )
 # SFT stage 2 of the report: out-of-distribution synthetic large-number arithmetic (6-12 digit additions).
 LARGE_NUMBER_MIXTURE = (MixtureComponent("arithmetic", tuple(range(6, 13)), 1.0, "+"),)
@@ -130,6 +131,19 @@ def sample_example(mixture: Sequence[MixtureComponent], seed: int, index: int, s
   return generate(comp.family, rng.getrandbits(63), difficulty, split=split, variant=comp.variant)
 
 
-__all__ = ["SPLITS", "TEST_FRACTION", "DEFAULT_MIXTURE", "LARGE_NUMBER_MIXTURE", "MixtureComponent", "check",
-           "extract_answer", "families", "generate", "get_task", "parse_mixture", "register_task",
-           "sample_example", "split_of"]
+__all__ = [
+  "SPLITS",
+  "TEST_FRACTION",
+  "DEFAULT_MIXTURE",
+  "LARGE_NUMBER_MIXTURE",
+  "MixtureComponent",
+  "check",
+  "extract_answer",
+  "families",
+  "generate",
+  "get_task",
+  "parse_mixture",
+  "register_task",
+  "sample_example",
+  "split_of",
+]

@@ -73,8 +73,13 @@ def make_example(a: int, b: int, op: str, difficulty: int) -> dict:
     raise ValueError(f"op must be '+', '-' or '*', got {op!r}")
   result = _result(a, b, op)
   metadata = dict(op=op, a=a, b=b)
-  return dict(prompt=f"Compute {a}{op}{b}", answer=base.think(",".join(_columns(a, b, op)), str(result)),
-              family=FAMILY, difficulty=difficulty, metadata=metadata)
+  return dict(
+    prompt=f"Compute {a}{op}{b}",
+    answer=base.think(",".join(_columns(a, b, op)), str(result)),
+    family=FAMILY,
+    difficulty=difficulty,
+    metadata=metadata,
+  )
 
 
 def generate(seed: int, difficulty: int, split: str = "train", variant: str | None = None) -> dict:

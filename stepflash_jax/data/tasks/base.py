@@ -50,8 +50,7 @@ def check_split(split: str) -> None:
 
 def check_difficulty(difficulty: Any, allowed: tuple[int, ...], family: str) -> int:
   if isinstance(difficulty, bool) or not isinstance(difficulty, int) or difficulty not in allowed:
-    raise ValueError(f"difficulty for {family!r} must be an int in {allowed[0]}..{allowed[-1]}, "
-                     f"got {difficulty!r}")
+    raise ValueError(f"difficulty for {family!r} must be an int in {allowed[0]}..{allowed[-1]}, got {difficulty!r}")
   return difficulty
 
 

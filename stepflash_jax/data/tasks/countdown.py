@@ -24,6 +24,8 @@ from stepflash_jax.data.tasks import base
 FAMILY = "countdown"
 DIFFICULTIES = (2, 3, 4, 5)
 VARIANTS = (None,)
+
+
 def max_number(n: int) -> int:
   return 10 if n <= 3 else 20
 
@@ -67,8 +69,13 @@ def generate(seed: int, difficulty: int, split: str = "train", variant: str | No
     metadata = dict(numbers=numbers, target=value)
     if base.split_of(canonical(metadata)) != split:
       continue
-    return dict(prompt=f"Make {value} from {' '.join(map(str, numbers))}",
-                answer=base.think(",".join(steps), expr), family=FAMILY, difficulty=n, metadata=metadata)
+    return dict(
+      prompt=f"Make {value} from {' '.join(map(str, numbers))}",
+      answer=base.think(",".join(steps), expr),
+      family=FAMILY,
+      difficulty=n,
+      metadata=metadata,
+    )
   raise ValueError(f"no {split!r} countdown problem found for difficulty={n}")
 
 
