@@ -8,6 +8,7 @@ from stepflash_jax import config as model_config_lib
 from stepflash_jax.data import tasks
 
 OBJECTIVES = ("mispo", "ppo", "gspo", "tis")
+ENGINE_DTYPES = ("bfloat16", "float32")  # numerics of the rollout / eval engine (rl/rollout.py DTYPES)
 
 
 def _err(field, msg):
@@ -67,8 +68,8 @@ def validate_run_config(c, num_devices: int | None = None) -> None:
   _positive(c, "eval", ["num_examples", "batch_size", "max_new_tokens"])
   if c.data.max_prompt_len + c.eval.max_new_tokens > c.model.max_position_embeddings:
     _err("eval.max_new_tokens", "prompt + response exceed model.max_position_embeddings")
-  if c.eval.get("dtype", "float32") not in ("bfloat16", "float32"):
-    _err("eval.dtype", f"must be 'bfloat16' or 'float32', got {c.eval.dtype!r}")
+  if c.eval.get("dtype", "float32") not in ENGINE_DTYPES:
+    _err("eval.dtype", f"must be one of {ENGINE_DTYPES}, got {c.eval.dtype!r}")
   if "rl" in c:
     r = c.rl
     if r.objective not in OBJECTIVES:
@@ -99,8 +100,8 @@ def validate_run_config(c, num_devices: int | None = None) -> None:
       _err("rl.traj_bounds", f"need 0 < low <= 1 <= high, got {tuple(r.traj_bounds)}")
     if r.truncation not in ("bootstrap", "zero", "task"):
       _err("rl.truncation", f"must be 'bootstrap', 'zero' or 'task', got {r.truncation!r}")
-    if r.rollout_dtype not in ("bfloat16", "float32"):
-      _err("rl.rollout_dtype", f"must be 'bfloat16' or 'float32', got {r.rollout_dtype!r}")
+    if r.rollout_dtype not in ENGINE_DTYPES:
+      _err("rl.rollout_dtype", f"must be one of {ENGINE_DTYPES}, got {r.rollout_dtype!r}")
     if not 0 < r.top_p <= 1:
       _err("rl.top_p", f"must be in (0, 1], got {r.top_p}")
     if r.temperature <= 0:
