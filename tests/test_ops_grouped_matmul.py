@@ -44,7 +44,7 @@ CASES = [
   (40, 8, 6, [5, 0, 13, 2, 0, 20], 8),  # empty groups, groups straddling tiles, sum == M
   (40, 8, 6, [0, 7, 9, 0, 3, 0], 8),  # sum < M (21 of 40), leading/trailing empty groups
   (37, 5, 7, [37], 4),  # one group, M not a multiple of tm
-  (37, 5, 7, [1] * 10 + [0, 20], 16),  # many tiny groups inside one tile (W = tiles + G - 1 is tight)
+  (37, 5, 7, [1] * 10 + [0, 20], 16),  # many tiny groups, each padded to a whole tile
   (30, 6, 4, [0, 0, 0], 8),  # everything empty -> all zeros
   (50, 6, 4, [9, 11, 0, 25], None),  # default tile_m
   (20, 6, 4, [4, 6, 10], 1),  # tm = 1
@@ -108,13 +108,28 @@ def test_bf16_inputs():
   assert dl.dtype == dr.dtype == jnp.bfloat16
 
 
-def test_work_item_count_bound():
-  # num_tiles + G - 1 items must cover every (tile, group) pair: worst case, every group boundary mid-tile.
+@pytest.mark.parametrize("sizes", [[3, 5] * 8, [1] * 15 + [49]])
+def test_padded_tile_bound(sizes):
+  # (M + G (tm - 1)) // tm tiles must hold every group padded to whole tiles; [1] * 15 + [49] needs exactly 22.
   m, tm = 64, 8
-  sizes = [3, 5] * 8  # boundaries at 3, 8, 11, 16, ...: every tile is shared by two groups
   lhs, rhs, gs = _data(m, 3, 2, sizes, seed=6)
   got = jax.jit(gmm_mod.tiled_grouped_matmul, static_argnames="tile_m")(lhs, rhs, gs, tile_m=tm)
   np.testing.assert_allclose(np.asarray(got), _numpy_gmm(lhs, rhs, sizes), rtol=1e-5, atol=1e-5)
+
+
+def test_take_rows_gradient_is_the_gather_gradient():
+  # A partial permutation: output rows 0..5 take rows perm[:6] of a, output rows 6, 7 are zero rows.
+  r = np.random.default_rng(9)
+  a = jnp.asarray(r.standard_normal((7, 3)), jnp.float32)
+  perm = r.permutation(7)
+  idx = jnp.asarray(np.concatenate([perm[:6], [7, 7]]), jnp.int32)
+  inv = np.full(7, 8)
+  inv[perm[:6]] = np.arange(6)
+  ct = jnp.asarray(r.standard_normal((8, 3)), jnp.float32)
+  plain = lambda a: jnp.sum(jnp.concatenate([a, jnp.zeros((1, 3))])[idx] * ct)
+  ours = lambda a: jnp.sum(gmm_mod.take_rows(a, idx, jnp.asarray(inv, jnp.int32)) * ct)
+  np.testing.assert_array_equal(np.asarray(ours(a)), np.asarray(plain(a)))
+  np.testing.assert_array_equal(np.asarray(jax.grad(ours)(a)), np.asarray(jax.grad(plain)(a)))
 
 
 def test_bad_inputs_raise_value_error():

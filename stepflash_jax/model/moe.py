@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from stepflash_jax import ops
+from stepflash_jax.ops.grouped_matmul import take_rows
 from stepflash_jax.model.mlp import MLP, Weight, clamped_swiglu
 from stepflash_jax.parallel import expert_parallel
 
@@ -37,13 +38,15 @@ def expert_ffn(x, chosen, wg, wu, wd, limit, implementation):
   N, k = chosen.shape
   E = wg.shape[0]
   flat = chosen.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  rows = x[order // k]  # [N*k, H] sorted by expert
+  order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # sorted row -> (token, slot)
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(N * k, dtype=jnp.int32))
+  slots = jnp.broadcast_to(x[:, None], (N, k, x.shape[1])).reshape(N * k, -1)
+  rows = take_rows(slots, order, inverse)  # [N*k, H] sorted by expert (a permutation: gather both ways)
   sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
   gmm = lambda a, w: ops.grouped_matmul(a, w, sizes, implementation=implementation)
   h = clamped_swiglu(gmm(rows, wg), gmm(rows, wu), limit).astype(x.dtype)
   y = gmm(h, wd)  # [N*k, H]
-  return jnp.zeros_like(y).at[order].set(y).reshape(N, k, -1)
+  return take_rows(y, inverse, order).reshape(N, k, -1)
 
 
 class MoE(nn.Module):
