@@ -1,4 +1,4 @@
-"""The mismatch lab (STEP35.md §3): short RL runs from ONE SFT checkpoint under controlled train/inference mismatch.
+"""The mismatch lab (docs/rl.md): short RL runs from ONE SFT checkpoint under controlled train/inference mismatch.
 
   python experiments/mismatch_lab.py --config=configs/lab.py [--workdir=runs/lab]         # full: ~45 min here
   python experiments/mismatch_lab.py --config=configs/lab.py:small --workdir=/tmp/lab     # ~2.5 min (1.5 min warm)
@@ -23,7 +23,8 @@ Knobs of the lab (`lab.*`); the RL knobs themselves are those of configs/mispo.p
                    `truncation_modes`; seeds = seeds + extra_seeds
   probe_*          the routing-confidence probe: one batch sampled from the SFT policy per engine setting
                    (fp32, bf16, bf16 + each noise in `probe_noise`), scored by the training engine
-The router is frozen in SFT and RL (STEP35), so in this toy it stays at its random init (Sigma_k 0.2807 everywhere).
+The router is frozen in SFT (report §5, docs/training.md §2) and in RL (rl.freeze_router), so in this toy it stays
+at its random init (Sigma_k 0.2807 everywhere).
 For routing studies train it: --config.train.freeze_router=False --config.rl.freeze_router=False (with
 --workdir elsewhere: the SFT checkpoint differs); e.g. with --parts=probe, 5 min: Sigma_k 0.398.
 """

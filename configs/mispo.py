@@ -1,4 +1,4 @@
-"""The main job: SFT of the tiny Step 3.5 Flash, then RL with MIS-PO and a critic (STEP35.md §3, toy scale).
+"""The main job: SFT of the tiny Step 3.5 Flash, then RL with MIS-PO and a critic (docs/rl.md, toy scale).
 
   python experiments/run.py --config=configs/mispo.py            # 38 min on 2 cores (Xeon @ 2.00GHz), runs/mispo
   python experiments/run.py --config=configs/mispo.py:small      # ~3 minute smoke run of every stage
@@ -33,10 +33,10 @@ def get_config(arg: str = ""):
   r.steps = 4 if small else 36  # generations; one epoch over each (~30 s each on 2 cores)
   r.prompts_per_step = 8 if small else 24
   r.samples_per_prompt = 6 if small else 8  # report: 16 per reasoning prompt; 192 responses per generation here
-  r.actor_minibatches = 4  # STEP35: 4 actor and 12 critic mini-batches per generation
+  r.actor_minibatches = 4  # report §5 (docs/rl.md §9): 4 actor and 12 critic mini-batches per generation
   r.critic_minibatches = 12
   r.max_new_tokens = 48  # correct answers need <= 43 tokens; shrink (e.g. 24) to study truncation
-  r.temperature = 1.0  # STEP35: temperature 1.0, top-p 1.0
+  r.temperature = 1.0  # report §5 (docs/rl.md §9): temperature 1.0, top-p 1.0
   r.top_p = 1.0
   r.rollout_dtype = "bfloat16"  # the inference engine's numerics: the source of train/inference mismatch
   r.logit_noise = 0.0  # extra Gaussian noise on rollout logits (mismatch lab knob)
@@ -48,13 +48,17 @@ def get_config(arg: str = ""):
   r.gspo_clip = 1e-4
   r.tis_cap = 2.0
   r.kl_coef = 0.001  # unbiased KL to the SFT policy (final-stage coefficient)
+  # generation (0-based) from which kl_coef applies: 0 = from the start (as here); the report switches the KL on
+  # in its final RL stage only, e.g. kl_start = steps - 6 for the last 6 generations (the KL is logged throughout)
+  r.kl_start = 0
   r.gamma = 1.0  # GAE gamma = lambda = 1: A_t = R - V(s_t)
   r.lam = 1.0
   r.truncation = "bootstrap"  # truncated responses get V(s_T); "zero" for the ablation
   r.reward = "rule"  # stepflash_jax.rl.rewards registry
-  # STEP35: actor 2e-6 / critic 5e-6 (ratio 2.5) with 20 / 50 warmup updates, after SFT at 1e-5. Muon steps have a
-  # fixed size whatever the gradient's norm, and 192 responses per generation are still a noisy gradient: the actor
-  # runs at 1/30 of the SFT peak (3e-4 drifted: KL 0.3 and rambling-until-truncation after 20 generations).
+  # Report §5 (docs/rl.md §9): actor 2e-6 / critic 5e-6 (ratio 2.5) with 20 / 50 warmup updates, after SFT at 1e-5.
+  # Muon steps have a fixed size whatever the gradient's norm, and 192 responses per generation are still a noisy
+  # gradient: the actor runs at 1/30 of the SFT peak (3e-4 drifted: KL 0.3 and rambling-until-truncation after 20
+  # generations).
   r.actor_lr = 1e-4
   r.critic_lr = 2.5e-4
   r.actor_warmup = 20

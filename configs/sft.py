@@ -1,4 +1,4 @@
-"""SFT of the tiny Step 3.5 Flash on the synthetic verifiable tasks (STEP35.md §2, scaled for a 2-core CPU).
+"""SFT of the tiny Step 3.5 Flash on the synthetic verifiable tasks (docs/training.md §2, scaled for a 2-core CPU).
 
   python experiments/run.py --config=configs/sft.py [--workdir=runs/sft]      # ~9 minutes on 2 idle cores
   python experiments/run.py --config=configs/sft.py:small                     # ~1 minute smoke run
@@ -30,16 +30,19 @@ def get_config(arg: str = ""):
 
   c.optim = ml_collections.ConfigDict()
   c.optim.lr = 3e-3  # toy model from scratch; the report's 1e-5 is for a pretrained 196B model
-  c.optim.warmup_frac = 0.03  # STEP35: 3% warmup ...
+  c.optim.warmup_frac = 0.03  # report §5 (docs/training.md §2): 3% warmup ...
   c.optim.end_lr_frac = 0.5  # ... then cosine to half the peak (1e-5 -> 5e-6)
   c.optim.weight_decay = 0.1
   c.optim.grad_clip = 1.0
   c.optim.muon_method = "polar_express"
   c.optim.ortho_dtype = "float16"  # StepFun: bf16 gave rare unrecoverable spikes
+  # Polar Express safety factor 1.01 on every step of the published 6-step list ("reference": the paper's code and
+  # StepFun's open training code); "last_step_unscaled" leaves the 6th step unscaled (an earlier reading)
+  c.optim.pe_safety = "reference"
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 60 if small else 400  # held-out exact match: 50% after 250 steps, 76% after 500
-  c.train.mtp_weight = 0.1  # STEP35: 0.3 early pre-training, 0.1 in mid-training and SFT
+  c.train.mtp_weight = 0.1  # report §4 (docs/training.md §2): 0.3 early pre-training, 0.1 in mid-training and SFT
   c.train.freeze_router = True  # SFT: router frozen ...
   c.train.router_bias_rate = 0.0  # ... and aux-loss-free bias balancing off (pre-training: 0.001)
   c.train.ep_balance_coef = 0.0  # EP-group balance loss off in SFT (pre-training: 0.001)

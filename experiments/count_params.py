@@ -1,7 +1,8 @@
 """Parameter counts from abstract shapes (jax.eval_shape: no weights are allocated).
 
   python experiments/count_params.py --config=configs/model/step35_flash.py
-prints JSON {"total", "total_with_embeddings", "active", "mtp"} (STEP35.md: 195.9B / 196.96B / 10.93B / ~0.84B):
+prints JSON {"total", "total_with_embeddings", "active", "mtp"} (docs/architecture.md §7: 195.9B / 196.96B /
+10.93B / ~0.84B):
 total = backbone without embedding and lm_head; active = per token (top-k routed + shared experts of each MoE
 layer, everything else, no embedding/lm_head); mtp = the MTP modules without their output heads.
 """

@@ -8,6 +8,10 @@ import json
 import os
 
 import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from stepflash_jax.train.metrics import plot_metrics, read_jsonl, summary_table
 
 CURVE_KEYS = [
   "reward",
@@ -70,7 +74,6 @@ def _mean(rows, k, sl=slice(None)):
 
 
 def run_row(v: dict, workdir: str) -> dict:
-  from stepflash_jax.train.metrics import read_jsonl
 
   rd = os.path.join(workdir, "runs", v["name"])
   recs = [r for r in read_jsonl(os.path.join(rd, "rl", "metrics_rl.jsonl")) if "reward" in r]  # not gen 0
@@ -127,7 +130,6 @@ def group_rows(rows: list[dict]) -> list[dict]:
 
 
 def markdown(groups: list[dict]) -> str:
-  from stepflash_jax.train.metrics import summary_table
 
   _fmt_num = lambda x: f"{x:.4g}"
   shown = []
@@ -189,7 +191,6 @@ def headline(groups: list[dict], trunc: dict | None, rows: list[dict] = ()) -> l
 # ------------------------------------------------------------------------------------------- plots
 def _mean_curves(workdir, names):
   """Per-step mean over the runs `names` of every numeric key."""
-  from stepflash_jax.train.metrics import read_jsonl
 
   by_step = {}
   for n in names:
@@ -201,11 +202,8 @@ def _mean_curves(workdir, names):
   ]
 
 
-def plots(workdir, vs, rows, probe_rows) -> list[str]:
-  from matplotlib.backends.backend_agg import FigureCanvasAgg
-  from matplotlib.figure import Figure
-  from stepflash_jax.train.metrics import plot_metrics
-
+def _curve_plots(workdir, vs) -> list[str]:
+  """Mean learning curves per engine setting and per objective, and the truncation comparison."""
   out = []
   main = [v for v in vs if not v["name"].startswith("trunc-")]
   curves = {
@@ -231,8 +229,6 @@ def plots(workdir, vs, rows, probe_rows) -> list[str]:
     out.append(p)
   trunc_vs = [v for v in vs if v["name"].startswith("trunc-")]
   if trunc_vs:
-    from stepflash_jax.train.metrics import read_jsonl
-
     p = os.path.join(workdir, "truncation.png")
     plot_metrics(
       {v["name"]: read_jsonl(os.path.join(workdir, "runs", v["name"], "rl", "metrics_rl.jsonl")) for v in trunc_vs},
@@ -241,41 +237,33 @@ def plots(workdir, vs, rows, probe_rows) -> list[str]:
       title="truncation-aware bootstrapping vs reward 0",
     )
     out.append(p)
-  # grad-norm summary and routing confidence against mismatch
-  fig = Figure(figsize=(17, 4.2), dpi=100)
-  FigureCanvasAgg(fig)
-  ax = fig.add_subplot(1, 4, 1)
-  groups = [r for r in group_rows(rows) if "trunc" not in r["group"]]
-  ax.bar(
-    range(len(groups)),
-    [r["gn_std"] for r in groups],
-    yerr=[0 if r["seeds"] < 2 else r["gn_std_sd"] for r in groups],
-    color="tab:blue",
-  )
-  ax.set_xticks(range(len(groups)), [r["group"] for r in groups], rotation=70, fontsize=7)
-  ax.set_title("actor grad-norm std over generations", fontsize=10)
-  if probe_rows:
-    ax = fig.add_subplot(1, 4, 2)
-    x = [r["logp_diff_mean"] for r in probe_rows]
-    ax.plot(x, [r["conf_train"] for r in probe_rows], "o-", label="training pass")
-    ax.plot(x, [r["conf_rollout"] for r in probe_rows], "s--", label="rollout engine")
-    for r in probe_rows:
-      ax.annotate(r["setting"], (r["logp_diff_mean"], r["conf_train"]), fontsize=7)
-    ax.set_xscale("log")
-    ax.set_xlabel("mean |log pi_old - log pi_vllm|")
-    ax.set_title("SFT policy: Sigma_k vs mismatch", fontsize=10)
-    ax.legend(fontsize=7)
-    ax = fig.add_subplot(1, 4, 3)
-    for r in probe_rows:
-      ax.scatter(r["per_seq_conf"], r["per_seq_dlogp"], s=8, label=f"{r['setting']} ({r['corr_conf_dlogp']:+.2f})")
-    ax.set_yscale("log")
-    ax.set_xlabel("response Sigma_k (training pass)")
-    ax.set_ylabel("response mean |dlogp|")
-    ax.set_title("per response (corr)", fontsize=10)
-    ax.legend(fontsize=6)
-  ax = fig.add_subplot(1, 4, 4)
-  from stepflash_jax.train.metrics import read_jsonl
+  return out
 
+
+def _probe_axes(fig, probe_rows):
+  """Panels 2-3: Sigma_k against the engines' mismatch for the SFT policy (per setting and per response)."""
+  ax = fig.add_subplot(1, 4, 2)
+  x = [r["logp_diff_mean"] for r in probe_rows]
+  ax.plot(x, [r["conf_train"] for r in probe_rows], "o-", label="training pass")
+  ax.plot(x, [r["conf_rollout"] for r in probe_rows], "s--", label="rollout engine")
+  for r in probe_rows:
+    ax.annotate(r["setting"], (r["logp_diff_mean"], r["conf_train"]), fontsize=7)
+  ax.set_xscale("log")
+  ax.set_xlabel("mean |log pi_old - log pi_vllm|")
+  ax.set_title("SFT policy: Sigma_k vs mismatch", fontsize=10)
+  ax.legend(fontsize=7)
+  ax = fig.add_subplot(1, 4, 3)
+  for r in probe_rows:
+    ax.scatter(r["per_seq_conf"], r["per_seq_dlogp"], s=8, label=f"{r['setting']} ({r['corr_conf_dlogp']:+.2f})")
+  ax.set_yscale("log")
+  ax.set_xlabel("response Sigma_k (training pass)")
+  ax.set_ylabel("response mean |dlogp|")
+  ax.set_title("per response (corr)", fontsize=10)
+  ax.legend(fontsize=6)
+
+
+def _runs_axes(ax, workdir, main):
+  """Panel 4: per generation of every RL run, Sigma_k of the training pass against the mismatch."""
   for setting in dict.fromkeys(v["setting"] for v in main):
     pts = [
       (r["logp_abs_diff_mean"], r["confidence_train"])
@@ -292,6 +280,26 @@ def plots(workdir, vs, rows, probe_rows) -> list[str]:
   ax.set_title("RL runs: Sigma_k vs mismatch", fontsize=10)
   if ax.get_legend_handles_labels()[0]:
     ax.legend(fontsize=7)
+
+
+def plots(workdir, vs, rows, probe_rows) -> list[str]:
+  """The lab's PNGs: learning curves, and a grad-norm / routing-confidence summary (gradnorm_routing.png)."""
+  out = _curve_plots(workdir, vs)
+  fig = Figure(figsize=(17, 4.2), dpi=100)
+  FigureCanvasAgg(fig)
+  ax = fig.add_subplot(1, 4, 1)
+  groups = [r for r in group_rows(rows) if "trunc" not in r["group"]]
+  ax.bar(
+    range(len(groups)),
+    [r["gn_std"] for r in groups],
+    yerr=[0 if r["seeds"] < 2 else r["gn_std_sd"] for r in groups],
+    color="tab:blue",
+  )
+  ax.set_xticks(range(len(groups)), [r["group"] for r in groups], rotation=70, fontsize=7)
+  ax.set_title("actor grad-norm std over generations", fontsize=10)
+  if probe_rows:
+    _probe_axes(fig, probe_rows)
+  _runs_axes(fig.add_subplot(1, 4, 4), workdir, [v for v in vs if not v["name"].startswith("trunc-")])
   fig.tight_layout()
   p = os.path.join(workdir, "gradnorm_routing.png")
   fig.savefig(p, format="png")

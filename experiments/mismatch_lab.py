@@ -1,4 +1,4 @@
-"""The mismatch lab (STEP35.md §3): MIS-PO, PPO, GSPO and TIS under controlled train/inference mismatch.
+"""The mismatch lab (docs/rl.md): MIS-PO, PPO, GSPO and TIS under controlled train/inference mismatch.
 
   python experiments/mismatch_lab.py --config=configs/lab.py [--workdir=runs/lab]        # ~45 min on 2 CPU cores
   python experiments/mismatch_lab.py --config=configs/lab.py:small --workdir=/tmp/lab    # ~2.5 min smoke run
@@ -31,7 +31,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
 
 from experiments.lab_report import group_rows, headline, markdown, plots, run_row, write_csv
+import jax
+import jax.numpy as jnp
+
+from stepflash_jax import model as model_lib
 from stepflash_jax.caches import enable_compile_cache
+from stepflash_jax.data import prompt_dataset
+from stepflash_jax.rl import losses, trainer
+from stepflash_jax.sampling import RolloutEngine
+from stepflash_jax.train import sft
+from stepflash_jax.train.metrics import summary_table
+from stepflash_jax.train.validate import validate_run_config
 
 
 def split(s, cast=str):
@@ -114,13 +124,9 @@ def variant_config(config, v: dict, sft_dir: str):
 
 
 # ------------------------------------------------------------------------------------------- probe on the SFT policy
-def _sequence_scorer(args, prompt_len):
+def _sequence_scorer(args, prompt_len, temperature=1.0, top_p=1.0):
   """jit: (variables, batch) -> logp_old [B, R] (fp32 training engine) and per-response routing confidence [B]
   (Sigma_k over the response tokens only: a pass over prompt + response minus a prompt-only pass, per sequence)."""
-  import jax
-  import jax.numpy as jnp
-  from stepflash_jax import model as model_lib
-  from stepflash_jax.rl import trainer
 
   def leaves(st, name):
     return jnp.stack(
@@ -144,15 +150,13 @@ def _sequence_scorer(args, prompt_len):
   def score(variables, mb):
     logits, _ = trainer.response_logits(args, variables, mb, prompt_len)
     conf = jax.vmap(one, in_axes=(None, 0, 0, 0))(variables, mb["tokens"], mb["positions"], mb["segment_ids"])
-    return trainer.token_logp(logits, mb["response"]), conf
+    return trainer.token_logp(logits, mb["response"], temperature, top_p), conf  # the rollout's distribution
 
   return score
 
 
 def _prompt_batches(config, tok, seed):
   """lab.probe_batches fixed batches of lab.probe_prompts prompts x samples_per_prompt (the RL batch shape)."""
-  from stepflash_jax.data import prompt_dataset
-  from stepflash_jax.rl import trainer
 
   it = iter(
     prompt_dataset(
@@ -166,17 +170,70 @@ def _prompt_batches(config, tok, seed):
   return [trainer.repeat_prompts(next(it), config.rl.samples_per_prompt) for _ in range(int(config.lab.probe_batches))]
 
 
+def _probe_samples(engine, variables, batches, score, seed) -> list[dict]:
+  """Sample every prompt batch with `engine`; score the responses with the fp32 training engine."""
+  parts = []
+  for i, prompts in enumerate(batches):
+    gen = engine.generate(variables, prompts["tokens"], prompts["lengths"], jax.random.key(seed + i))
+    batch = trainer.sequences(prompts, gen)
+    logp_old, conf = score(variables, {k: jnp.asarray(v) for k, v in batch.items()})
+    parts.append(
+      dict(
+        logp_old=np.asarray(logp_old),
+        conf=np.asarray(conf),
+        mask=batch["mask"],
+        logp_rollout=batch["logp_rollout"],
+        truncated=np.asarray(gen["truncated"]),
+        conf_rollout=float(gen["routing_confidence"]),
+      )
+    )
+  return parts
+
+
+def _probe_row(name, dtype, noise, parts, rc) -> dict:
+  """Mismatch and routing-confidence statistics of one engine setting's samples."""
+  cat = lambda k: np.concatenate([p[k] for p in parts])
+  logp_old, conf, mask, logp_rollout = cat("logp_old"), cat("conf"), cat("mask"), cat("logp_rollout")
+  keep, info = losses.mis_mask(
+    jnp.asarray(logp_old), jnp.asarray(logp_rollout), jnp.asarray(mask), tuple(rc.token_bounds), tuple(rc.traj_bounds)
+  )
+  diff = np.abs(logp_old - logp_rollout)
+  ad = diff[mask > 0]
+  per_seq = (diff * mask).sum(1) / np.maximum(mask.sum(1), 1)
+  traj_ok = np.asarray(info["traj_ok"])
+  corr = float(np.corrcoef(conf, per_seq)[0, 1]) if per_seq.std() > 0 and conf.std() > 0 else float("nan")
+  return dict(
+    setting=name,
+    dtype=dtype,
+    noise=noise,
+    responses=len(mask),
+    tokens=int(mask.sum()),
+    logp_diff_mean=float(ad.mean()),
+    logp_diff_p50=float(np.percentile(ad, 50)),
+    logp_diff_p90=float(np.percentile(ad, 90)),
+    logp_diff_p99=float(np.percentile(ad, 99)),
+    logp_diff_max=float(ad.max()),
+    log_rho_mean=float(np.asarray(info["log_rho"]).mean()),
+    token_keep=float(np.asarray(info["token_ok"]).sum() / mask.sum()),
+    traj_keep=float(traj_ok.mean()),
+    kept=float(np.asarray(keep).sum() / mask.sum()),
+    conf_rollout=float(np.mean([p["conf_rollout"] for p in parts])),
+    conf_train=float(conf.mean()),
+    conf_kept=float(conf[traj_ok].mean()) if traj_ok.any() else float("nan"),
+    conf_filtered=float(conf[~traj_ok].mean()) if (~traj_ok).any() else float("nan"),
+    corr_conf_dlogp=corr,
+    truncation_rate=float(cat("truncated").mean()),
+    mean_len=float(mask.sum(1).mean()),
+    per_seq_conf=conf.tolist(),
+    per_seq_dlogp=per_seq.tolist(),
+  )
+
+
 def probe(config, variables, tok, log=print) -> list[dict]:
   """Sample from the SFT policy with each engine setting; mismatch and routing-confidence statistics."""
-  import jax
-  import jax.numpy as jnp
-  from stepflash_jax import model as model_lib
-  from stepflash_jax.rl import losses, trainer
-  from stepflash_jax.rl.rollout import RolloutEngine
-
   lab, rc, P = config.lab, config.rl, config.data.max_prompt_len
   batches = _prompt_batches(config, tok, config.seed + 1000)
-  score = _sequence_scorer(model_lib.as_args(config.model), P)
+  score = _sequence_scorer(model_lib.as_args(config.model), P, config.rl.temperature, config.rl.top_p)
   settings = [("fp32", "float32", 0.0), ("bf16", "bfloat16", 0.0)]
   settings += [(f"bf16+noise{s:g}", "bfloat16", s) for s in split(lab.probe_noise, float)]
   rows = []
@@ -192,62 +249,12 @@ def probe(config, variables, tok, log=print) -> list[dict]:
       top_p=rc.top_p,
       logit_noise=noise,
     )
-    parts = []
-    for i, prompts in enumerate(batches):
-      gen = engine.generate(variables, prompts["tokens"], prompts["lengths"], jax.random.key(config.seed + i))
-      batch = trainer.sequences(prompts, gen)
-      logp_old, conf = score(variables, {k: jnp.asarray(v) for k, v in batch.items()})
-      parts.append(
-        dict(
-          logp_old=np.asarray(logp_old),
-          conf=np.asarray(conf),
-          mask=batch["mask"],
-          logp_rollout=batch["logp_rollout"],
-          truncated=np.asarray(gen["truncated"]),
-          conf_rollout=float(gen["routing_confidence"]),
-        )
-      )
-    cat = lambda k: np.concatenate([p[k] for p in parts])
-    logp_old, conf, mask, logp_rollout = cat("logp_old"), cat("conf"), cat("mask"), cat("logp_rollout")
-    keep, info = losses.mis_mask(
-      jnp.asarray(logp_old), jnp.asarray(logp_rollout), jnp.asarray(mask), tuple(rc.token_bounds), tuple(rc.traj_bounds)
-    )
-    diff = np.abs(logp_old - logp_rollout)
-    ad = diff[mask > 0]
-    per_seq = (diff * mask).sum(1) / np.maximum(mask.sum(1), 1)
-    traj_ok = np.asarray(info["traj_ok"])
-    corr = float(np.corrcoef(conf, per_seq)[0, 1]) if per_seq.std() > 0 and conf.std() > 0 else float("nan")
-    rows.append(
-      dict(
-        setting=name,
-        dtype=dtype,
-        noise=noise,
-        responses=len(mask),
-        tokens=int(mask.sum()),
-        logp_diff_mean=float(ad.mean()),
-        logp_diff_p50=float(np.percentile(ad, 50)),
-        logp_diff_p90=float(np.percentile(ad, 90)),
-        logp_diff_p99=float(np.percentile(ad, 99)),
-        logp_diff_max=float(ad.max()),
-        log_rho_mean=float(np.asarray(info["log_rho"]).mean()),
-        token_keep=float(np.asarray(info["token_ok"]).sum() / mask.sum()),
-        traj_keep=float(traj_ok.mean()),
-        kept=float(np.asarray(keep).sum() / mask.sum()),
-        conf_rollout=float(np.mean([p["conf_rollout"] for p in parts])),
-        conf_train=float(conf.mean()),
-        conf_kept=float(conf[traj_ok].mean()) if traj_ok.any() else float("nan"),
-        conf_filtered=float(conf[~traj_ok].mean()) if (~traj_ok).any() else float("nan"),
-        corr_conf_dlogp=corr,
-        truncation_rate=float(cat("truncated").mean()),
-        mean_len=float(mask.sum(1).mean()),
-        per_seq_conf=conf.tolist(),
-        per_seq_dlogp=per_seq.tolist(),
-      )
-    )
+    rows.append(_probe_row(name, dtype, noise, _probe_samples(engine, variables, batches, score, config.seed), rc))
+    r = rows[-1]
     log(
-      f"lab probe {name:>16}: |dlogp| mean {ad.mean():.4f} p99 {np.percentile(ad, 99):.3f} | traj keep "
-      f"{traj_ok.mean():.2f} | Sigma_k rollout {rows[-1]['conf_rollout']:.4f} train {conf.mean():.4f} | "
-      f"corr(Sigma_k, |dlogp|) {corr:+.2f}"
+      f"lab probe {name:>16}: |dlogp| mean {r['logp_diff_mean']:.4f} p99 {r['logp_diff_p99']:.3f} | traj keep "
+      f"{r['traj_keep']:.2f} | Sigma_k rollout {r['conf_rollout']:.4f} train {r['conf_train']:.4f} | "
+      f"corr(Sigma_k, |dlogp|) {r['corr_conf_dlogp']:+.2f}"
     )
   return rows
 
@@ -266,8 +273,6 @@ def truncation_limit(lengths, truncated, max_new_tokens: int, target: float):
 
 def calibrate_truncation(config, variables, tok, log=print) -> dict:
   """The limit N that cuts ~lab.truncation_target of the SFT policy's responses, measured again at N (bf16)."""
-  import jax
-  from stepflash_jax.rl.rollout import RolloutEngine
 
   rc, P = config.rl, config.data.max_prompt_len
   batches = _prompt_batches(config, tok, config.seed + 2000)
@@ -329,13 +334,77 @@ def _cached_json(path, fn):
 PARTS = ("probe", "mismatch", "truncation")
 
 
+PROBE_COLS = [
+  "setting",
+  "responses",
+  "tokens",
+  "logp_diff_mean",
+  "logp_diff_p50",
+  "logp_diff_p90",
+  "logp_diff_p99",
+  "logp_diff_max",
+  "log_rho_mean",
+  "token_keep",
+  "traj_keep",
+  "kept",
+  "conf_rollout",
+  "conf_train",
+  "conf_kept",
+  "conf_filtered",
+  "corr_conf_dlogp",
+  "mean_len",
+  "truncation_rate",
+]
+TABLE_NOTE = (
+  "gn = actor gradient global norm (before clipping), per generation the mean over its actor mini-batches; "
+  "std/max over generations. abs dlogp = |log pi_old - log pi_vllm| over valid response tokens (max: over "
+  "generations of the mini-batch mean of the per-mini-batch max). tok/traj keep: the MIS filter (for PPO/TIS what "
+  "it would keep). conf = routing confidence Sigma_k. reward first/last, entropy first/last: first/last quarter "
+  "of the generations."
+)
+
+
+def _cached_part(path, run, compute):
+  """The JSON result at path: computed (and written) when `run`, read when it exists, else None."""
+  if run:
+    return _cached_json(path, compute)
+  return _cached_json(path, None) if os.path.exists(path) else None
+
+
+def _run_variants(config, workdir, todo, sft_dir, log):
+  """Train every variant of `todo` not finished yet (runs/<name>/lab.json marks a finished one)."""
+  for i, v in enumerate(todo):
+    rd = os.path.join(workdir, "runs", v["name"])
+    if os.path.exists(os.path.join(rd, "lab.json")):
+      continue
+    log(f"lab: [{i + 1}/{len(todo)}] {v['name']}")
+    t0 = time.time()
+    cfg = variant_config(config, v, sft_dir)
+    s = trainer.run(cfg, rd, log=lambda *a, **k: None)
+    meta = dict(v, seconds=time.time() - t0, max_new_tokens=cfg.rl.max_new_tokens, **s)
+    with open(os.path.join(rd, "lab.json"), "w") as f:
+      json.dump(meta, f, indent=1)
+    log(
+      f"lab: {v['name']} done in {meta['seconds']:.0f}s: acc {s['accuracy_before']:.3f} -> "
+      f"{s['accuracy_after']:.3f}, actor grad norm {s['actor_grad_norm_mean']:.3g} ± {s['actor_grad_norm_std']:.3g}"
+    )
+
+
+def _write_table(workdir, table, head, trunc, probe_md):
+  with open(os.path.join(workdir, "lab_table.md"), "w") as f:
+    f.write("# Mismatch lab\n\n" + table + "\n\n" + "\n".join(head) + "\n")
+    if trunc:
+      f.write("\nTruncation calibration: " + json.dumps({k: v for k, v in trunc.items() if not isinstance(v, list)}))
+      f.write("\n")
+    if probe_md:
+      f.write("\n## Probe: SFT policy sampled by each engine, scored by the fp32 training engine\n\n" + probe_md + "\n")
+    f.write("\n" + TABLE_NOTE + "\n")
+
+
 def run_lab(config, workdir: str, log=print, parts=PARTS) -> dict:
   """Run (or resume) the lab into workdir; returns dict(table (markdown), groups, rows, probe, probe_table,
   truncation, headline, plots). `parts` selects what to run (the probe, the objective x setting variants, the
   truncation variants); the table and plots cover every variant of the config finished in workdir."""
-  from stepflash_jax.rl import trainer
-  from stepflash_jax.train import sft
-
   bad = [p for p in parts if p not in PARTS]
   if bad:
     raise ValueError(f"run_lab: unknown parts {bad}, known: {PARTS}")
@@ -350,88 +419,35 @@ def run_lab(config, workdir: str, log=print, parts=PARTS) -> dict:
   log(
     f"lab: SFT checkpoint {sft_dir} (step {sft_out['step']}), held-out accuracy {sft_out['accuracy']['accuracy']:.3f}"
   )
-  probe_path = os.path.join(workdir, "probe.json")
-  probe_rows = []
-  if "probe" in parts and lab.probe_batches:
-    probe_rows = _cached_json(probe_path, lambda: probe(config, variables, tok, log))
-  elif os.path.exists(probe_path):
-    probe_rows = _cached_json(probe_path, None)
-  trunc, trunc_path = None, os.path.join(workdir, "truncation.json")
-  if "truncation" in parts and split(lab.truncation_modes) and lab.truncation_steps:
-    trunc = _cached_json(trunc_path, lambda: calibrate_truncation(config, variables, tok, log))
-  elif os.path.exists(trunc_path):
-    trunc = _cached_json(trunc_path, None)
-  vs = variants(config, trunc and trunc["max_new_tokens"])
-  done = lambda v: os.path.exists(os.path.join(workdir, "runs", v["name"], "lab.json"))
-  todo = [v for v in vs if ("truncation" if v["name"].startswith("trunc-") else "mismatch") in parts]
-  todo.sort(key=run_priority)  # the headline comparisons first (seed 0), then the rest
-  for i, v in enumerate(todo):
-    if done(v):
-      continue
-    rd = os.path.join(workdir, "runs", v["name"])
-    log(f"lab: [{i + 1}/{len(todo)}] {v['name']}")
-    t0 = time.time()
-    cfg = variant_config(config, v, sft_dir)
-    s = trainer.run(cfg, rd, log=lambda *a, **k: None)
-    meta = dict(v, seconds=time.time() - t0, max_new_tokens=cfg.rl.max_new_tokens, **s)
-    with open(os.path.join(rd, "lab.json"), "w") as f:
-      json.dump(meta, f, indent=1)
-    log(
-      f"lab: {v['name']} done in {meta['seconds']:.0f}s: acc {s['accuracy_before']:.3f} -> "
-      f"{s['accuracy_after']:.3f}, actor grad norm {s['actor_grad_norm_mean']:.3g} ± {s['actor_grad_norm_std']:.3g}"
+  probe_rows = (
+    _cached_part(
+      os.path.join(workdir, "probe.json"),
+      "probe" in parts and lab.probe_batches,
+      lambda: probe(config, variables, tok, log),
     )
-  vs = [v for v in vs if done(v)]
+    or []
+  )
+  trunc = _cached_part(
+    os.path.join(workdir, "truncation.json"),
+    "truncation" in parts and split(lab.truncation_modes) and lab.truncation_steps,
+    lambda: calibrate_truncation(config, variables, tok, log),
+  )
+  vs = variants(config, trunc and trunc["max_new_tokens"])
+  todo = [v for v in vs if ("truncation" if v["name"].startswith("trunc-") else "mismatch") in parts]
+  _run_variants(config, workdir, sorted(todo, key=run_priority), sft_dir, log)  # headline comparisons first
+  vs = [v for v in vs if os.path.exists(os.path.join(workdir, "runs", v["name"], "lab.json"))]
   rows = [run_row(v, workdir) for v in vs]
   groups = group_rows(rows)
   table = markdown(groups)
   head = headline(groups, trunc, rows)
   write_csv(os.path.join(workdir, "lab_runs.csv"), rows)
   write_csv(os.path.join(workdir, "lab_table.csv"), groups)
-  from stepflash_jax.train.metrics import summary_table
-
-  probe_cols = [
-    "setting",
-    "responses",
-    "tokens",
-    "logp_diff_mean",
-    "logp_diff_p50",
-    "logp_diff_p90",
-    "logp_diff_p99",
-    "logp_diff_max",
-    "log_rho_mean",
-    "token_keep",
-    "traj_keep",
-    "kept",
-    "conf_rollout",
-    "conf_train",
-    "conf_kept",
-    "conf_filtered",
-    "corr_conf_dlogp",
-    "mean_len",
-    "truncation_rate",
-  ]
-  probe_md = summary_table(probe_rows, probe_cols) if probe_rows else ""
+  probe_md = summary_table(probe_rows, PROBE_COLS) if probe_rows else ""
   if probe_rows:
-    write_csv(os.path.join(workdir, "probe.csv"), probe_rows, probe_cols)
+    write_csv(os.path.join(workdir, "probe.csv"), probe_rows, PROBE_COLS)
   png = plots(workdir, vs, rows, probe_rows)
-  with open(os.path.join(workdir, "lab_table.md"), "w") as f:
-    f.write("# Mismatch lab\n\n" + table + "\n\n" + "\n".join(head) + "\n")
-    if trunc:
-      f.write(
-        "\nTruncation calibration: " + json.dumps({k: v for k, v in trunc.items() if not isinstance(v, list)}) + "\n"
-      )
-    if probe_md:
-      f.write("\n## Probe: SFT policy sampled by each engine, scored by the fp32 training engine\n\n" + probe_md + "\n")
-    f.write(
-      "\ngn = actor gradient global norm (before clipping), per generation the mean over its actor mini-batches; "
-      "std/max over generations. abs dlogp = |log pi_old - log pi_vllm| over valid response tokens (max: over "
-      "generations of the mini-batch mean of the per-mini-batch max). tok/traj keep: the MIS filter (for PPO/TIS what it would "
-      "keep). conf = routing confidence Sigma_k. reward first/last, entropy first/last: first/last quarter "
-      "of the generations.\n"
-    )
-  if groups:
-    log(table)
-  for line in head:
+  _write_table(workdir, table, head, trunc, probe_md)
+  for line in ([table] if groups else []) + head:
     log(line)
   log(
     f"lab: done in {(time.time() - t_start) / 60:.1f} min; {os.path.join(workdir, 'lab_table.md')}, plots: "
@@ -454,8 +470,6 @@ def main(argv):
   from absl import logging
 
   logging.set_verbosity(logging.WARNING)
-  from stepflash_jax.train.validate import validate_run_config
-  import jax
 
   config = _CONFIG.value
   try:

@@ -37,6 +37,7 @@ from ml_collections import config_flags
 
 from stepflash_jax import model as model_lib
 from stepflash_jax import parallel
+from stepflash_jax.train import state as state_lib
 from stepflash_jax.optim import muon
 
 GiB = 2**30
@@ -105,8 +106,8 @@ def static_bytes(args, sizes, rules, head: str, dropped: list) -> dict:
   """Per-device bytes of {"params", "router", "opt", "grads", "muon_transient"} for one model head.
   muon_transient: 4 fp32 copies of the largest local parameter shard (gradient, Nesterov sum, iterate, Gram)."""
   shapes, opt = _abstract(args, head)
-  specs = parallel.variable_specs(args, sizes, rules, head, dropped)
-  opt_specs = parallel.state_specs(opt, args, sizes, rules)
+  specs = state_lib.variable_specs(args, sizes, rules, head, dropped)
+  opt_specs = state_lib.state_specs(opt, args, sizes, rules)
   p = tree_bytes(shapes["params"], specs["params"], sizes)
   largest = max(
     shard_bytes(x, s, sizes) // np.dtype(x.dtype).itemsize * 4
@@ -217,12 +218,17 @@ def plan(
   dropped: list = []
   lm = static_bytes(args, sizes, rules, "lm", dropped)
   value = static_bytes(args, sizes, rules, "value", dropped)
-  t = sizes["tensor"]
-  V = args.vocab_size
   budget = 0.9 * hbm_gib * GiB
   out = {"devices": math.prod(sizes.values()), "dropped": sorted(set((n, d, a) for n, d, a in dropped))}
 
-  # SFT: one step over the global batch (MTP heads included).
+  out["sft"] = _sft_plan(args, sizes, lm, batch, seq_len, remat, cf, budget)
+  rl = dict(prompt_len=prompt_len, response_len=response_len, actor_mb=actor_mb, critic_mb=critic_mb)
+  out["rl"] = _rl_plan(args, sizes, lm, value, remat, cf, budget, prompts * samples, rollout_dtype, micro_rows, **rl)
+  return out
+
+
+def _sft_plan(args, sizes, lm, batch, seq_len, remat, cf, budget) -> dict:
+  """SFT: one step over the global batch (MTP heads included)."""
   rows = rows_per_device(sizes, batch)
   sft_tok = activation_bytes(args, 1, sizes, remat, cf, mtp=True, logits=True)
   sft = {
@@ -233,7 +239,7 @@ def plan(
   }
   static = sum(sft.values())
   sft.update({f"act_{k}": v * rows * seq_len for k, v in sft_tok.items()})
-  out["sft"] = {
+  return {
     "bytes": sft,
     "total": sum(sft.values()),
     "static": static,
@@ -242,8 +248,27 @@ def plan(
     "max_tokens": max(0.0, budget - static) / sum(sft_tok.values()),
   }
 
-  # RL: actor + critic + reference resident; the largest phase on top.
-  B, L = prompts * samples, prompt_len + response_len
+
+def _rl_plan(
+  args,
+  sizes,
+  lm,
+  value,
+  remat,
+  cf,
+  budget,
+  B,
+  rollout_dtype,
+  micro_rows,
+  *,
+  prompt_len,
+  response_len,
+  actor_mb,
+  critic_mb,
+) -> dict:
+  """RL: actor + critic + reference resident; the largest phase on top."""
+  t, V = sizes["tensor"], args.vocab_size
+  L = prompt_len + response_len
   resident = {
     "actor": lm["params"] + lm["router"] + lm["opt"],
     "critic": value["params"] + value["router"] + value["opt"],
@@ -273,7 +298,7 @@ def plan(
   }
   res = sum(resident.values())
   peak = max(phases, key=phases.get)
-  out["rl"] = {
+  return {
     "resident": resident,
     "phases": phases,
     "static": res,
@@ -283,7 +308,6 @@ def plan(
     "act_per_token": actor_tok,
     "max_tokens": max(0.0, budget - res - lm["grads"] - accum["lm"] - lm["muon_transient"]) / actor_tok,
   }
-  return out
 
 
 def _g(b) -> str:

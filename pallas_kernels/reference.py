@@ -1,10 +1,13 @@
-"""Pure-JAX references for the Pallas kernels (naive, materialising, fp32 math).
+"""The references: plain, materialising JAX that defines what every implementation of the two ops must compute.
 
-They define the semantics the kernels must reproduce and are only meant for tests and small shapes:
-  attention_reference : causal sliding-window GQA attention with segment ids (STEP35.md §1),
-                        o_i = sum_j softmax_j(scale * q_i . k_j | visible(i, j)) v_j.
-  gmm_reference       : out[m] = lhs[m] @ rhs[group(m)], rows past sum(group_sizes) = 0.
-  tgmm_reference      : out[g] = lhs[rows of g]^T @ grad[rows of g]  ([G, K, N], 0 for empty groups).
+  attention_reference : causal sliding-window GQA attention with segment ids (docs/kernels.md §1), fp32,
+                        o_i = sum_j softmax_j(scale * q_i . k_j | visible(i, j)) v_j  (pallas_kernels.masks.visible).
+                        Also `stepflash_jax.ops.attention.reference_attention`. Its body, `dense_attention`, is
+                        the "xla" implementation of full causal attention too.
+  gmm_reference       : out[m] = lhs[m] @ rhs[group(m)], rows past sum(group_sizes) = 0, fp32.
+                        Also `stepflash_jax.ops.grouped_matmul.reference_grouped_matmul`.
+  tgmm_reference      : out[g] = lhs[rows of g]^T @ grad[rows of g]  ([G, K, N], 0 for empty groups), fp32.
+Cost O(T^2) / O(G * M * K * N): for tests and small shapes.
 """
 
 from __future__ import annotations
@@ -12,36 +15,39 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.masks import MASK_VALUE, attention_mask
+
+__all__ = ["attention_mask", "attention_reference", "dense_attention", "gmm_reference", "tgmm_reference"]
+
 _HI = jax.lax.Precision.HIGHEST
 
 
-def attention_mask(t: int, window: int | None, segment_ids=None):
-  """Visibility mask [B or 1, T, T] (query i, key j): j <= i, i - j < window, same segment."""
-  i = jnp.arange(t)[:, None]
-  j = jnp.arange(t)[None, :]
-  mask = j <= i
-  if window is not None:
-    mask = mask & (i - j < window)
-  mask = mask[None]
-  if segment_ids is not None:
-    mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-  return mask
+def dense_attention(q, k, v, *, window, segment_ids=None, scale=None, precision=None):
+  """[T, T]-masked attention. q [B, T, Hq, D], k/v [B, T, Hkv, D] -> fp32 [B, T, Hq, D].
 
-
-def attention_reference(q, k, v, *, window=None, segment_ids=None, scale=None, return_lse=False):
-  """q [B, T, Hq, D], k/v [B, T, Hkv, D] -> o [B, T, Hq, D] (q.dtype); optional lse [B, Hq, T] (fp32)."""
+  Matmul inputs keep their dtype; scores, softmax and accumulation are fp32. GQA through a [B, T, Hkv, G, D] view
+  of q (K/V are never repeated).
+  """
   b, t, hq, d = q.shape
-  group = hq // k.shape[2]
+  hkv = k.shape[2]
   scale = d**-0.5 if scale is None else scale
-  kf = jnp.repeat(k.astype(jnp.float32), group, axis=2)  # the reference may materialise repeated K/V
-  vf = jnp.repeat(v.astype(jnp.float32), group, axis=2)
-  s = jnp.einsum("bihd,bjhd->bhij", q.astype(jnp.float32), kf, precision=_HI) * scale
-  mask = attention_mask(t, window, segment_ids)[:, None]  # [B|1, 1, T, T]
-  s = jnp.where(mask, s, -jnp.inf)
-  lse = jax.nn.logsumexp(s, axis=-1)  # [B, Hq, T]; finite: every query sees itself
-  p = jnp.exp(s - lse[..., None])
-  o = jnp.einsum("bhij,bjhd->bihd", p, vf, precision=_HI).astype(q.dtype)
-  return (o, lse) if return_lse else o
+  qg = q.reshape(b, t, hkv, hq // hkv, d)  # query head h = kv head h // G, member h % G
+  # Scores as [B, Hkv, Tq, G, Tk]: rows (query, group member) are contiguous in q's own layout.
+  s = jnp.einsum("bqhgd,bkhd->bhqgk", qg, k, preferred_element_type=jnp.float32, precision=precision)
+  mask = attention_mask(t, window, segment_ids)[:, None, :, None, :]  # [B|1, 1, T, 1, T]
+  s = jnp.where(mask, s * scale, MASK_VALUE)
+  p = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
+  denom = jnp.sum(p, axis=-1)  # [B, Hkv, T, G]
+  o = jnp.einsum("bhqgk,bkhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=precision)
+  o = o / jnp.transpose(denom, (0, 2, 1, 3))[..., None]
+  return o.reshape(b, t, hq, d)
+
+
+def attention_reference(q, k, v, *, window=None, segment_ids=None, scale=None):
+  """q [B, T, Hq, D], k/v [B, T, Hkv, D] -> o [B, T, Hq, D] in q.dtype; everything fp32 at HIGHEST precision."""
+  f32 = lambda x: x.astype(jnp.float32)
+  o = dense_attention(f32(q), f32(k), f32(v), window=window, segment_ids=segment_ids, scale=scale, precision=_HI)
+  return o.astype(q.dtype)
 
 
 def _row_groups(m: int, group_sizes):
@@ -51,10 +57,15 @@ def _row_groups(m: int, group_sizes):
 
 
 def gmm_reference(lhs, rhs, group_sizes):
-  """lhs [M, K], rhs [G, K, N], group_sizes [G] -> [M, N] in lhs.dtype (fp32 accumulation)."""
-  m, g = lhs.shape[0], rhs.shape[0]
-  onehot = jax.nn.one_hot(_row_groups(m, group_sizes), g, dtype=jnp.float32)  # [M, G]; row of zeros past sum
-  out = jnp.einsum("mk,gkn,mg->mn", lhs.astype(jnp.float32), rhs.astype(jnp.float32), onehot, precision=_HI)
+  """lhs [M, K], rhs [G, K, N], group_sizes [G] -> [M, N] in lhs.dtype: one masked fp32 matmul per group.
+
+  Rows past sum(group_sizes) are exactly 0 whatever they hold (e.g. NaN padding).
+  """
+  rows = _row_groups(lhs.shape[0], group_sizes)
+  out = jnp.zeros((lhs.shape[0], rhs.shape[2]), jnp.float32)
+  for g in range(rhs.shape[0]):
+    x = jnp.where((rows == g)[:, None], lhs.astype(jnp.float32), 0.0)
+    out = out + jnp.dot(x, rhs[g].astype(jnp.float32), precision=_HI)
   return out.astype(lhs.dtype)
 
 

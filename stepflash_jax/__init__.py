@@ -11,10 +11,7 @@ from stepflash_jax.config import from_hf_config, load_config_file, model_config,
 from stepflash_jax.hf import load_hf_checkpoint, save_hf_checkpoint
 from stepflash_jax.model import abstract_variables, apply, forward, init, logical_axes
 
-try:  # the RL losses are re-exported once that module exists
-  from stepflash_jax.rl.losses import gspo_loss, mispo_loss, ppo_loss, tis_loss, unbiased_kl, value_loss
-  from stepflash_jax.rl.advantages import gae_advantages
-except ImportError:  # pragma: no cover
-  pass
+from stepflash_jax.rl.advantages import gae_advantages
+from stepflash_jax.rl.losses import gspo_loss, mispo_loss, ppo_loss, tis_loss, unbiased_kl, value_loss
 
 __version__ = "0.1.0"

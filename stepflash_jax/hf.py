@@ -12,6 +12,7 @@ import math
 import os
 
 import jax.numpy as jnp
+from safetensors import SafetensorError
 from safetensors.flax import load_file, save_file
 
 from stepflash_jax import config as config_lib
@@ -138,25 +139,44 @@ def save_hf_checkpoint(cfg, variables, path: str, max_shard_bytes: int = 4 << 30
   os.rmdir(tmp)
 
 
+def _read_json(fn: str) -> dict:
+  """json.load with the file's path in the error (a truncated / malformed file)."""
+  try:
+    with open(fn) as f:
+      return json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{fn}: malformed JSON ({e})") from e
+
+
 def _read_tensors(path: str) -> dict:
   index = os.path.join(path, "model.safetensors.index.json")
   if os.path.exists(index):
-    with open(index) as f:
-      files = sorted(set(json.load(f)["weight_map"].values()))
+    try:
+      files = sorted(set(_read_json(index)["weight_map"].values()))
+    except (KeyError, TypeError, AttributeError) as e:
+      raise ValueError(f"{index}: not a safetensors index (needs a 'weight_map' of tensor -> file): {e!r}") from e
   else:
     files = sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors"))
   if not files:
     raise ValueError(f"{path}: no *.safetensors files")
   tensors = {}
   for fn in files:
-    tensors.update(load_file(os.path.join(path, fn)))
+    try:
+      tensors.update(load_file(os.path.join(path, fn)))
+    except (SafetensorError, OSError) as e:  # e.g. a truncated download: "incomplete metadata"
+      raise ValueError(f"{os.path.join(path, fn)}: cannot read the safetensors file ({e})") from e
   return tensors
 
 
 def load_hf_checkpoint(path: str, **config_overrides):
-  """Directory with config.json + *.safetensors (single or sharded) -> (cfg, variables)."""
-  with open(os.path.join(path, "config.json")) as f:
-    cfg = config_lib.from_hf_config(json.load(f))
+  """Directory with config.json + *.safetensors (single or sharded) -> (cfg, variables). A malformed config.json or
+  an unreadable (e.g. truncated) safetensors file raises ValueError naming the file."""
+  cfg_file = os.path.join(path, "config.json")
+  hf_cfg = _read_json(cfg_file)
+  try:
+    cfg = config_lib.from_hf_config(hf_cfg)
+  except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+    raise ValueError(f"{cfg_file}: not a valid Step 3.5 Flash config ({type(e).__name__}: {e})") from e
   tensors = _read_tensors(path)
   dtypes = {str(t.dtype) for n, t in tensors.items() if "router" not in n and "gate.weight" not in n}
   if len(dtypes) == 1:

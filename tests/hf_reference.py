@@ -1,6 +1,6 @@
 """An independent float64 NumPy implementation of Step 3.5 Flash that reads Hugging Face tensors directly.
 
-Written from STEP35.md §1 with per-token loops and no code shared with the library; tests compare the JAX model
+Written from docs/architecture.md with per-token loops and no code shared with the library; tests compare the JAX model
 (loaded through `load_hf_checkpoint`) against it.
 """
 

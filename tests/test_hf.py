@@ -82,6 +82,25 @@ def test_bad_tensors_are_named(ckpt, tmp_path):
     sfj.load_hf_checkpoint(str(tmp_path / "shape"))
 
 
+def test_unreadable_files_are_named(ckpt, tmp_path):
+  """A truncated safetensors file or a malformed config.json: ValueError naming the file (not the library's bare
+  error)."""
+  _, path = ckpt
+  _rewrite(path, tmp_path / "trunc", lambda W: None)
+  st = tmp_path / "trunc" / "model.safetensors"
+  st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+  with pytest.raises(ValueError, match=rf"{st}: cannot read the safetensors file .*incomplete"):
+    sfj.load_hf_checkpoint(str(tmp_path / "trunc"))
+  _rewrite(path, tmp_path / "badjson", lambda W: None)
+  cj = tmp_path / "badjson" / "config.json"
+  cj.write_text(cj.read_text()[:-20])
+  with pytest.raises(ValueError, match=rf"{cj}: malformed JSON"):
+    sfj.load_hf_checkpoint(str(tmp_path / "badjson"))
+  cj.write_text(json.dumps({"hidden_size": 8}))  # valid JSON, not a model config
+  with pytest.raises(ValueError, match=rf"{cj}: not a valid Step 3.5 Flash config"):
+    sfj.load_hf_checkpoint(str(tmp_path / "badjson"))
+
+
 def test_hf_config_keys_parse():
   """The released config.json conventions: 48-entry lists, string moe_layers_enum, attention_other_setting."""
   c = sfj.model_config()

@@ -251,6 +251,15 @@ def test_tis_matches_numpy(batch):
   assert m["trunc_frac"] == pytest.approx((v & (x > 1.5)).sum() / n)
 
 
+def test_kept_normalizer_for_every_objective(batch):
+  """normalizer="kept" is accepted by every actor loss; PPO and TIS filter nothing, so it equals "valid"."""
+  logp, logp_old, logp_rollout, adv, mask = batch
+  for fn, args in ((losses.ppo_loss, (logp_old, adv, mask)), (losses.tis_loss, (logp_old, logp_rollout, adv, mask))):
+    valid, kept = (fn(logp, *args, normalizer=n) for n in ("valid", "kept"))
+    assert float(kept[1]["denominator"]) == float(valid[1]["denominator"]) == mask.sum()
+    np.testing.assert_allclose(float(kept[0]), float(valid[0]), rtol=1e-6)
+
+
 # ----------------------------------------------------------------------------- unbiased KL
 def test_unbiased_kl_values(batch):
   logp, logp_old, logp_ref, _, mask = batch
@@ -358,7 +367,7 @@ SIGS = {  # function -> argument names in order (float32 arrays, then the mask)
 
 
 @pytest.mark.parametrize("fn", sorted(SIGS))
-@pytest.mark.parametrize("case", ["shape", "float16", "float64", "mask_rank"])
+@pytest.mark.parametrize("case", ["shape", "float16", "bfloat16", "mask_rank"])
 def test_bad_inputs_raise(fn, case):
   names = SIGS[fn]
   args = [_bt() for _ in names]
@@ -366,8 +375,8 @@ def test_bad_inputs_raise(fn, case):
     args[1], needle = _bt((3, 4)), rf"{names[1]} has shape \[3, 4\], must match {names[0]} \[3, 5\]"
   elif case == "float16":
     args[-2], needle = _bt(dtype=np.float16), rf"{names[-2]} is float16, expected float32"
-  elif case == "float64":
-    args[0], needle = _bt(dtype=np.float64), rf"{names[0]} is float64, expected float32"
+  elif case == "bfloat16":
+    args[0], needle = jnp.zeros((3, 5), jnp.bfloat16), rf"{names[0]} is bfloat16, expected float32"
   else:
     args[-1], needle = _bt((3, 5, 1)), r"mask must have rank 2"
   with pytest.raises(ValueError, match=needle) as e:
@@ -382,5 +391,18 @@ def test_bad_inputs_raise_under_jit():
     f(_bt(), _bt(), _bt((2, 5)), _bt(), _bt())
   with pytest.raises(ValueError, match=r"mask must have rank 2 .*\[B, T\] \(logits"):
     losses.entropy_from_logits(np.zeros((3, 5, 7), F32), _bt((3,)))
-  with pytest.raises(ValueError, match=r"mask must be bool, integer or float32, is float16"):
+  with pytest.raises(ValueError, match=r"mask must be bool, integer or float32/float64, is float16"):
     losses.mispo_loss(_bt(), _bt(), _bt(), _bt(), _bt(dtype=np.float16))
+
+
+@pytest.mark.parametrize("fn", sorted(SIGS))
+def test_float64_numpy_inputs_match_float32(fn):
+  """NumPy's default float64 (arrays and mask) is accepted and gives the float32 result (x64 off: computed in f32)."""
+  rng = np.random.default_rng(7)
+  names = SIGS[fn]
+  args = [rng.normal(-1.0, 0.05, (4, 6)) for _ in names[:-1]] + [_mask([6, 3, 0, 5], 6).astype(np.float64)]
+  got = getattr(losses, fn)(*args)
+  want = getattr(losses, fn)(*[a.astype(F32) for a in args])
+  g, w = (x[0] if isinstance(x, tuple) else x for x in (got, want))
+  assert g.dtype == jnp.float32
+  np.testing.assert_allclose(float(g), float(w), rtol=1e-6, atol=1e-7)

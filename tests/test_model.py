@@ -200,6 +200,21 @@ def test_count_params_full_model():
   assert abs(c["mtp"] / 0.84e9 - 1) < 0.01
 
 
+def test_bad_token_ids_and_empty_input_raise(tiny_cfg):
+  """Out-of-range ids (NaN logits / silent wrap-around otherwise) and T = 0 raise a clear ValueError."""
+  v = sfj.init(tiny_cfg, jax.random.key(0))
+  V = tiny_cfg.vocab_size
+  with pytest.raises(ValueError, match=rf"forward: token ids must lie in \[0, {V}\).*got ids in \[1, {V + 4}\]"):
+    sfj.forward(tiny_cfg, v, np.array([[1, V, V + 4]], np.int32))
+  with pytest.raises(ValueError, match=r"got ids in \[-3, 2\] \(1 of 2 out of range\)"):
+    sfj.forward(tiny_cfg, v, np.array([[-3, 2]], np.int32))
+  with pytest.raises(ValueError, match=rf"apply: token ids must lie in \[0, {V}\)"):
+    sfj.apply(tiny_cfg, v, jnp.array([[0, V]], jnp.int32))
+  for fn in (sfj.forward, lambda c, v, t: sfj.apply(c, v, t)):
+    with pytest.raises(ValueError, match=r"empty input, tokens shape \(2, 0\)"):
+      fn(tiny_cfg, v, np.zeros((2, 0), np.int32))
+
+
 def test_config_validation_names_the_field(tiny_cfg):
   for field, value in [("num_experts_per_tok", 99), ("sliding_window", 0), ("attention_impl", "cuda")]:
     c = tiny_cfg.copy_and_resolve_references()

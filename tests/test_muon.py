@@ -22,7 +22,9 @@ from stepflash_jax.optim import (
   polar_express_coeffs,
 )
 
-# Independent copy of STEP35.md §2 (do not import from the module under test).
+# Independent copy of the Polar Express reference list (NoahAmsel/PolarExpress polar_express/basic.py; the same
+# list in StepFun's SteptronOss steptronoss/optimizer/_helpers.py; rows 1-6 are the Step 3.5 Flash report's table).
+# Do not import from the module under test.
 TABLE = [
   (8.28721201814563, -23.595886519098837, 17.300387312530933),
   (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
@@ -30,13 +32,15 @@ TABLE = [
   (3.3184196573706015, -2.488488024314874, 0.51004894012372),
   (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
   (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+  (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
 ]
 LATER = (1.875, -1.25, 0.375)
 
 
 def np_coeffs(steps):
-  rows = [TABLE[i] if i < 6 else LATER for i in range(steps)]
-  return [(a / 1.01, b / 1.01**3, c / 1.01**5) if i < steps - 1 else (a, b, c) for i, (a, b, c) in enumerate(rows)]
+  """The reference's schedule: safety 1.01 on every polynomial of its list but the last (LATER), which repeats."""
+  ref = [(a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in TABLE] + [LATER]
+  return ref[:steps] + [LATER] * (steps - len(ref))
 
 
 def np_polar_express(g, steps=6):
@@ -65,15 +69,31 @@ def known_spectrum(rng, m, n, kappa):
 
 
 # ---------------------------------------------------------------- orthogonalisation
-def test_coefficient_table_and_safety():
-  got = polar_express_coeffs(6)
-  assert len(got) == 6
+@pytest.mark.parametrize("steps", [1, 5, 6, 7, 8, 10])
+def test_coefficient_schedule_matches_reference(steps):
+  """Default: the reference code's schedule (all 6 configured steps divided by the safety factor)."""
+  got = polar_express_coeffs(steps)
+  assert len(got) == steps
+  for g, want in zip(got, np_coeffs(steps)):
+    assert g == pytest.approx(want, rel=1e-15)
+  if steps == 6:
+    assert got[5] == pytest.approx(tuple(v / 1.01**p for v, p in zip(TABLE[5], (1, 3, 5))), rel=1e-15)
+    kw = dict(method="polar_express", ns_steps=6, ortho_dtype="float32")
+    g = jnp.asarray(np.random.default_rng(0).standard_normal((8, 12)), jnp.float32)
+    np.testing.assert_allclose(orthogonalize_matrices(g, **kw), np_polar_express(g), atol=2e-5)
+
+
+def test_coefficient_schedule_last_step_unscaled_switch():
+  """The alternative reading (optim.pe_safety = "last_step_unscaled"): the last step run is left unscaled."""
+  got = polar_express_coeffs(6, schedule="last_step_unscaled")
   for (a, b, c), (ea, eb, ec) in zip(got[:5], TABLE[:5]):
     assert (a, b, c) == pytest.approx((ea / 1.01, eb / 1.01**3, ec / 1.01**5), rel=1e-15)
-  assert got[5] == TABLE[5]  # the last step is not divided by the safety factor
-  got8 = polar_express_coeffs(8)
-  assert got8[5] == pytest.approx(tuple(v / 1.01**p for v, p in zip(TABLE[5], (1, 3, 5))), rel=1e-15)
-  assert got8[6] == pytest.approx((1.875 / 1.01, -1.25 / 1.01**3, 0.375 / 1.01**5)) and got8[7] == LATER
+  assert got[5] == TABLE[5]
+  assert polar_express_coeffs(8, schedule="last_step_unscaled")[7] == LATER
+  with pytest.raises(ValueError, match="schedule"):
+    polar_express_coeffs(6, schedule="all")
+  with pytest.raises(ValueError, match="schedule"):
+    muon(0.1, pe_safety="none")
 
 
 @pytest.mark.parametrize("shape", [(12, 40), (40, 12)])

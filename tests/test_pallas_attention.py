@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import gpu
+from pallas_kernels import common, gpu
 from pallas_kernels import sliding_window_attention as swa
 from pallas_kernels.reference import attention_reference
 
@@ -218,6 +218,17 @@ def test_public_entry_dispatches_to_triton_on_gpu_backend(monkeypatch):
     return o.astype(F32).sum()
 
   assert _custom_calls(jax.grad(loss, argnums=(0, 1, 2)), args, "cuda") == ["__gpu$xla.gpu.triton"] * 3
+
+
+def test_public_entry_falls_back_to_xla_without_triton(monkeypatch):
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(common, "triton_available", lambda: False)  # a JAX without Pallas' Triton backend
+  assert common.kernel_target() == "xla"
+  q, k, v, _, sid = _inputs(1, 30, 4, 2, 16, F32, seg=True, seed=2)
+  for s in (None, sid):
+    got = swa.sliding_window_attention(q, k, v, window=7, segment_ids=s)
+    want = attention_reference(q, k, v, window=7, segment_ids=s)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.skipif(not gpu.has_gpu(), reason="needs a GPU")

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import gpu
+from pallas_kernels import common, gpu
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.reference import gmm_reference, tgmm_reference
 
@@ -182,6 +182,15 @@ def test_xla_fallbacks_match_reference():
   gs = jnp.asarray(GROUP_SIZES[0], jnp.int32)
   np.testing.assert_allclose(gpu.xla_gmm(lhs, rhs, gs), gmm_reference(lhs, rhs, gs), atol=2e-5, rtol=2e-5)
   np.testing.assert_allclose(gpu.xla_tgmm(lhs, dout, gs), tgmm_reference(lhs, dout, gs), atol=2e-5, rtol=2e-5)
+
+
+def test_public_entries_fall_back_to_ragged_dot_without_triton(monkeypatch):
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(common, "triton_available", lambda: False)  # a JAX without Pallas' Triton backend
+  lhs, rhs, dout = _data()
+  gs = jnp.asarray(GROUP_SIZES[0], jnp.int32)
+  np.testing.assert_allclose(gm.gmm(lhs, rhs, gs), gmm_reference(lhs, rhs, gs), atol=2e-5, rtol=2e-5)
+  np.testing.assert_allclose(gm.tgmm(lhs, dout, gs), tgmm_reference(lhs, dout, gs), atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.skipif(not gpu.has_gpu(), reason="needs a GPU")

@@ -11,8 +11,9 @@ import pytest
 
 import stepflash_jax as sfj
 from stepflash_jax.model.cache import init_cache
-from stepflash_jax.rl import rollout as R
-from stepflash_jax.rl.rollout import FAST_COMPILE, RolloutEngine, sampling_logprobs
+from stepflash_jax import model as M
+from stepflash_jax import sampling as R
+from stepflash_jax.sampling import FAST_COMPILE, RolloutEngine, sampling_logprobs
 
 B, P, N, T_FWD = 8, 12, 40, 64  # P + N = 52 > window 32: the sliding-window ring buffers wrap
 LENS = np.array([12, 5, 9, 1, 7, 3, 12, 10], np.int32)
@@ -317,7 +318,7 @@ def test_mtp_draft_chain_matches_training_mtp_forward(tiny_cfg, variables, forwa
   """Teacher-forced drafting (drafts := true tokens, n accepted drafts per row and step at random, backbone hidden
   states from the uncached forward): every MTP span entry the cached chain computes, hence every draft logit,
   equals the training forward's MTP logits at that position, across rollbacks and ring-buffer wrap-around."""
-  a, K, steps = R.M.as_args(tiny_cfg), tiny_cfg.num_mtp_layers, 12
+  a, K, steps = M.as_args(tiny_cfg), tiny_cfg.num_mtp_layers, 12
   v = jax.tree.map(
     lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape) if x.ndim == 1 else x, variables
   )  # non-zero norm scales: a stricter check

@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stepflash_jax.train import sft
+from stepflash_jax.train import step as step_lib
 from conftest import ROOT
 
 
 def test_lr_schedule_values():
-  f = sft.lr_schedule(1e-5, 1000, warmup_frac=0.03, end_frac=0.5)
+  f = step_lib.lr_schedule(1e-5, 1000, warmup_frac=0.03, end_frac=0.5)
   assert float(f(0)) == 0.0
   np.testing.assert_allclose(float(f(15)), 0.5e-5, rtol=1e-6)  # halfway through the 30-step warmup
   np.testing.assert_allclose(float(f(30)), 1e-5, rtol=1e-6)  # peak
@@ -26,9 +26,9 @@ def test_lr_schedule_values():
 
 def test_frozen_router_mask():
   params = {"layer_2": {"moe": {"router": {"kernel": jnp.ones((4, 8))}, "gate_proj": {"kernel": jnp.ones((8, 4, 2))}}}}
-  m = sft.frozen_mask(params, True)
+  m = step_lib.frozen_mask(params, True)
   assert m["layer_2"]["moe"]["router"]["kernel"] == 0.0 and m["layer_2"]["moe"]["gate_proj"]["kernel"] == 1.0
-  assert sft.frozen_mask(params, False)["layer_2"]["moe"]["router"]["kernel"] == 1.0
+  assert step_lib.frozen_mask(params, False)["layer_2"]["moe"]["router"]["kernel"] == 1.0
 
 
 def test_non_finite_step_is_skipped():
@@ -38,9 +38,9 @@ def test_non_finite_step_is_skipped():
   tx = optax.sgd(0.1)
   state = {"params": params, "opt": tx.init(params)}
   mask = {"w": 1.0}
-  p, _, _, skipped = sft.guarded_update(state, {"w": jnp.array([1.0, jnp.nan, 0.0])}, jnp.float32(1.0), tx, mask)
+  p, _, _, skipped = step_lib.guarded_update(state, {"w": jnp.array([1.0, jnp.nan, 0.0])}, jnp.float32(1.0), tx, mask)
   assert float(skipped) == 1.0 and bool(jnp.all(p["w"] == 1.0))
-  p, _, _, skipped = sft.guarded_update(state, {"w": jnp.ones(3)}, jnp.float32(1.0), tx, mask)
+  p, _, _, skipped = step_lib.guarded_update(state, {"w": jnp.ones(3)}, jnp.float32(1.0), tx, mask)
   assert float(skipped) == 0.0 and np.allclose(p["w"], 0.9)
 
 

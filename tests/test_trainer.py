@@ -13,6 +13,7 @@ import pytest
 
 import stepflash_jax as sfj
 from stepflash_jax import model as M
+from stepflash_jax.train.step import frozen_mask, guarded_update, make_optimizer, warmup_constant
 from stepflash_jax.config import load_config_file
 from stepflash_jax.rl import losses, trainer
 from stepflash_jax.rl.critic import critic_from_actor, response_values
@@ -64,9 +65,8 @@ def test_critic_values_are_aligned_with_states(setup):
 def test_one_actor_and_critic_update(setup):
   cfg, args, v, prompts, gen, P, R = setup
   rc = cfg.rl
-  tx_a = trainer.optimizer(rc, cfg.optim, 1e-2, 1)
-  tx_c = trainer.optimizer(rc, cfg.optim, 1e-2, 1)
-  from stepflash_jax.train.sft import frozen_mask
+  tx_a = make_optimizer(cfg.optim, warmup_constant(1e-2, 1))
+  tx_c = make_optimizer(cfg.optim, warmup_constant(1e-2, 1))
 
   fns = trainer.Functions(args, rc, tx_a, tx_c, P, frozen_mask(v["params"], True))
   b = trainer.sequences(prompts, gen)
@@ -102,6 +102,111 @@ def test_one_actor_and_critic_update(setup):
   newc, mc = fns.critic_step(critic, mb)
   assert float(mc["critic_loss"]) > 0
   assert float(jnp.abs(newc["params"]["value_head"]["kernel"]).max()) > 0
+  moved_c = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), newc["params"], critic["params"])
+  assert moved_c["layer_2"]["moe"]["router"]["kernel"] == 0.0  # the critic's router follows rl.freeze_router
+
+
+@pytest.fixture(scope="module")
+def fp32_rollout(setup):
+  """Responses of the fp32 rollout engine at temperature 0.7, top-p 0.9 (a peaked lm_head so the nucleus is small),
+  and the training engine's scoring of them under the same config."""
+  from stepflash_jax.sampling import FAST_COMPILE, RolloutEngine
+
+  cfg, args, v, prompts, _, P, R = setup
+  v = {**v, "params": {**v["params"], "lm_head": {"kernel": v["params"]["lm_head"]["kernel"] * 40.0}}}
+  rc = cfg.rl.copy_and_resolve_references()
+  rc.temperature, rc.top_p = 0.7, 0.9
+  engine = RolloutEngine(
+    cfg.model, max_prompt_len=P, max_new_tokens=R, eos_id=3, pad_id=0, dtype="float32", temperature=0.7, top_p=0.9,
+    compiler_options=FAST_COMPILE,
+  )  # fmt: skip
+  gen = jax.device_get(engine.generate(v, prompts["tokens"], prompts["lengths"], jax.random.key(1)))
+  b = trainer.sequences(prompts, gen)
+  jb = {k: jnp.asarray(x) for k, x in b.items()}
+  fns = trainer.Functions(args, rc, None, None, P, frozen_mask(v["params"], True))
+  logp_old, _, conf = jax.device_get(fns.score(v["params"], v["router"], jb))
+  return gen, b, logp_old, conf
+
+
+def test_logp_old_matches_rollout_under_temperature_and_top_p(fp32_rollout):
+  """fp32 rollout engine log-probs (after temperature and top-p) = the training engine's recomputed logp_old."""
+  gen, b, logp_old, _ = fp32_rollout
+  m = b["mask"] > 0
+  assert m.sum() >= 8
+  np.testing.assert_allclose(logp_old[m], gen["logp"][m], atol=1e-5)
+  lp1 = trainer.token_logp(jnp.zeros((1, 1, 4)), jnp.zeros((1, 1), jnp.int32))  # temperature 1, no nucleus
+  np.testing.assert_allclose(lp1, np.log(0.25), rtol=1e-6)
+
+
+def test_token_logp_outside_the_nucleus_is_finite():
+  """A token the nucleus excludes (possible when the two engines' nuclei differ) gets a finite log-prob and gradient."""
+  logits = jnp.asarray([[[4.0, 3.0, 0.0, -1.0]]])
+  f = lambda x, t: trainer.token_logp(x, jnp.asarray([[t]]), 1.0, 0.5).sum()
+  inside = float(f(logits, 0))  # nucleus {0}: log 1
+  assert inside == pytest.approx(0.0, abs=1e-6)
+  p = np.exp(logits[0, 0] - jax.nn.logsumexp(logits[0, 0]))
+  assert float(f(logits, 2)) == pytest.approx(float(np.log(p[2] / (p[0] + p[2]))), rel=1e-5)
+  g = jax.grad(f)(logits, 2)
+  assert np.all(np.isfinite(np.asarray(g))) and float(jnp.abs(g).sum()) > 0
+
+
+def test_routing_confidence_over_the_same_response_tokens(fp32_rollout):
+  """The training pass averages Sigma_k over the response tokens the rollout fed (fp32 engines: equal)."""
+  gen, b, _, conf = fp32_rollout
+  assert sorted(conf) == sorted(gen["routing_confidence_layers"])
+  for k, c in conf.items():
+    np.testing.assert_allclose(c, gen["routing_confidence_layers"][k], rtol=1e-5)
+  np.testing.assert_allclose(np.mean(list(conf.values())), gen["routing_confidence"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("objective", ["mispo", "ppo", "gspo", "tis"])
+def test_normalizer_applies_to_every_objective(setup, objective, monkeypatch):
+  rc = setup[0].rl.copy_and_resolve_references()
+  rc.objective, rc.normalizer = objective, "kept"
+  seen = []
+  fn = getattr(losses, f"{objective}_loss")
+  monkeypatch.setattr(losses, f"{objective}_loss", lambda *a, **kw: seen.append(kw.get("normalizer")) or fn(*a, **kw))
+  rng = np.random.default_rng(0)
+  lr = rng.normal(-1, 0.3, (4, 6)).astype(np.float32)
+  lo = lr + rng.normal(0, 1e-4, (4, 6)).astype(np.float32)
+  lo[1] += 0.01  # trajectory 1 filtered by MIS
+  mb = {"logp_old": lo, "logp_rollout": lr, "adv": rng.normal(0, 1, (4, 6)).astype(np.float32)}
+  mb["mask"] = np.ones((4, 6), np.float32)
+  _, m = trainer.objective(rc, jnp.asarray(lo), {k: jnp.asarray(x) for k, x in mb.items()})
+  kept = 18.0 if objective in ("mispo", "gspo") else 24.0  # PPO / TIS filter nothing: "kept" = "valid"
+  assert float(m["denominator"]) == kept
+  rc.normalizer = "valid"
+  assert float(trainer.objective(rc, jnp.asarray(lo), mb)[1]["denominator"]) == 24.0
+  assert seen == ["kept", "valid"]  # the trainer passes rl.normalizer to every objective
+
+
+def test_kl_start_schedule_and_validation(setup):
+  from stepflash_jax.train.validate import validate_run_config
+
+  cfg = setup[0].copy_and_resolve_references()
+  assert cfg.rl.kl_start == 0 and trainer.kl_coef_at(cfg.rl, 0) == cfg.rl.kl_coef  # default: always on
+  cfg.rl.kl_start = 3
+  assert [trainer.kl_coef_at(cfg.rl, s) for s in range(5)] == [0.0, 0.0, 0.0, cfg.rl.kl_coef, cfg.rl.kl_coef]
+  validate_run_config(cfg)
+  cfg.rl.kl_start = -1
+  with pytest.raises(ValueError, match="rl.kl_start"):
+    validate_run_config(cfg)
+
+
+def test_frozen_leaves_take_no_part_in_the_clip_norm():
+  """The router's gradient (frozen) neither enters the reported norm nor shrinks the others' update by clipping."""
+  import optax
+
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
+  params = {"moe": {"router": {"kernel": jnp.zeros((2,))}}, "w": jnp.zeros((2,))}
+  state = {"params": params, "opt": tx.init(params)}
+  grads = {"moe": {"router": {"kernel": jnp.full((2,), 100.0)}}, "w": jnp.asarray([0.3, 0.4])}
+  p, _, gnorm, skipped = guarded_update(state, grads, jnp.float32(1.0), tx, frozen_mask(params, True))
+  assert float(gnorm) == pytest.approx(0.5) and float(skipped) == 0.0
+  np.testing.assert_allclose(p["w"], [-0.3, -0.4], rtol=1e-6)  # norm 0.5 < 1: not clipped
+  np.testing.assert_array_equal(p["moe"]["router"]["kernel"], 0.0)
+  grads["moe"]["router"]["kernel"] = jnp.full((2,), jnp.nan)  # a frozen leaf's non-finite gradient is ignored
+  assert float(guarded_update(state, grads, jnp.float32(1.0), tx, frozen_mask(params, True))[3]) == 0.0
 
 
 def test_mismatch_stats_match_numpy(setup):

@@ -2,9 +2,9 @@
 
     python experiments/benchmarks/moe.py [--tokens 4096 --hidden 128 --expert_width 256 --experts 64 --top_k 2]
 
-The FFN (STEP35.md §1, without shared expert / clamp / router bias): sigmoid router scores, top-k, combine weights
-= chosen scores renormalised; tokens sorted by expert, SwiGLU experts down(silu(x gate) * (x up)) as three grouped
-matmuls, unsort, weighted combine. Prints a table and two ratios:
+The FFN (docs/architecture.md §5, without shared expert / clamp / router bias): sigmoid router scores, top-k,
+combine weights = chosen scores renormalised; tokens sorted by expert, SwiGLU experts down(silu(x gate) * (x up))
+as three grouped matmuls, unsort, weighted combine. Prints a table and two ratios:
   ragged_dot / ours at E experts          (goal >= 4: on CPU ragged_dot costs as much as running all experts)
   ours(E) / ours(E_small) at equal tokens  (goal <= 1.6: cost follows active rows, not experts)
 """

@@ -31,7 +31,7 @@ import stepflash_jax as sfj
 from stepflash_jax import model as M
 from stepflash_jax.config import load_config_file, model_config
 from stepflash_jax.model.cache import cache_bytes, init_cache
-from stepflash_jax.rl.rollout import RolloutEngine
+from stepflash_jax.sampling import RolloutEngine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EOS, PAD = 1, 0

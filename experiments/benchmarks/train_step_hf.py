@@ -106,6 +106,45 @@ def write_checkpoint(path, vocab, seed=0):
 # The HF side: our config class and the remote modeling file under a synthetic package.
 
 
+# Step3p5Config fields the modeling file reads, with vLLM's defaults (the released 196B model).
+HF_CONFIG_DEFAULTS = dict(
+  vocab_size=128896,
+  hidden_size=4096,
+  intermediate_size=11264,
+  num_hidden_layers=45,
+  num_attention_heads=64,
+  num_attention_groups=8,
+  head_dim=128,
+  rms_norm_eps=1e-5,
+  max_position_embeddings=262144,
+  max_seq_len=262144,
+  use_moe=True,
+  moe_layers_enum=None,
+  moe_num_experts=288,
+  moe_top_k=8,
+  moe_intermediate_size=1280,
+  share_expert_dim=None,
+  norm_expert_weight=True,
+  moe_router_activation="sigmoid",
+  moe_router_scaling_factor=3.0,
+  use_moe_router_bias=True,
+  need_fp32_gate=True,
+  use_head_wise_attn_gate=True,
+  sliding_window=512,
+  layer_types=None,
+  attention_other_setting=None,
+  rope_theta=10000.0,
+  rope_scaling=None,
+  partial_rotary_factors=None,
+  yarn_only_types=None,
+  use_rope_layers=None,
+  num_nextn_predict_layers=0,
+  swiglu_limits=None,
+  swiglu_limits_shared=None,
+  use_cache=False,
+)
+
+
 def hf_config_class():
   """Step3p5Config for modeling_step3p5.py: the fields it reads, named as in vLLM's Step3p5Config (ours)."""
   from transformers import PretrainedConfig
@@ -113,78 +152,28 @@ def hf_config_class():
   class Step3p5Config(PretrainedConfig):
     model_type = "step3p5"
 
-    def __init__(
-      self,
-      vocab_size=128896,
-      hidden_size=4096,
-      intermediate_size=11264,
-      num_hidden_layers=45,
-      num_attention_heads=64,
-      num_attention_groups=8,
-      head_dim=128,
-      rms_norm_eps=1e-5,
-      max_position_embeddings=262144,
-      max_seq_len=262144,
-      use_moe=True,
-      moe_layers_enum=None,
-      moe_num_experts=288,
-      moe_top_k=8,
-      moe_intermediate_size=1280,
-      share_expert_dim=None,
-      norm_expert_weight=True,
-      moe_router_activation="sigmoid",
-      moe_router_scaling_factor=3.0,
-      use_moe_router_bias=True,
-      need_fp32_gate=True,
-      use_head_wise_attn_gate=True,
-      sliding_window=512,
-      layer_types=None,
-      attention_other_setting=None,
-      rope_theta=10000.0,
-      rope_scaling=None,
-      partial_rotary_factors=None,
-      yarn_only_types=None,
-      use_rope_layers=None,
-      num_nextn_predict_layers=0,
-      swiglu_limits=None,
-      swiglu_limits_shared=None,
-      use_cache=False,
-      tie_word_embeddings=False,
-      **kwargs,
-    ):
-      self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
-      self.num_hidden_layers = num_hidden_layers
-      self.num_attention_heads, self.num_attention_groups = num_attention_heads, num_attention_groups
-      self.num_key_value_heads = num_attention_groups
-      self.head_dim, self.rms_norm_eps = head_dim, rms_norm_eps
-      self.max_position_embeddings, self.max_seq_len = max_position_embeddings, max_seq_len
-      self.use_moe, self.moe_layers_enum = use_moe, moe_layers_enum
-      self.moe_num_experts, self.moe_top_k = moe_num_experts, moe_top_k
-      self.num_experts_per_tok = moe_top_k
-      self.moe_intermediate_size = moe_intermediate_size
-      self.share_expert_dim = moe_intermediate_size * moe_top_k if share_expert_dim is None else share_expert_dim
-      self.norm_expert_weight = norm_expert_weight
-      self.moe_router_activation = moe_router_activation
-      self.moe_router_scaling_factor = moe_router_scaling_factor
-      self.use_moe_router_bias, self.need_fp32_gate = use_moe_router_bias, need_fp32_gate
-      self.use_head_wise_attn_gate = use_head_wise_attn_gate
-      self.sliding_window = sliding_window
-      self.layer_types = layer_types or [
-        "full_attention" if i % 4 == 0 else "sliding_attention" for i in range(num_hidden_layers)
+    def __init__(self, tie_word_embeddings=False, **kwargs):
+      fields = {k: kwargs.pop(k, v) for k, v in HF_CONFIG_DEFAULTS.items()}
+      self.__dict__.update(fields)
+      L, Hq, G, D = (
+        fields["num_hidden_layers"],
+        fields["num_attention_heads"],
+        fields["num_attention_groups"],
+        fields["head_dim"],
+      )
+      self.num_key_value_heads, self.num_experts_per_tok = G, fields["moe_top_k"]
+      if fields["share_expert_dim"] is None:
+        self.share_expert_dim = fields["moe_intermediate_size"] * fields["moe_top_k"]
+      self.layer_types = fields["layer_types"] or [
+        "full_attention" if i % 4 == 0 else "sliding_attention" for i in range(L)
       ]
-      self.attention_other_setting = attention_other_setting or {
+      self.attention_other_setting = fields["attention_other_setting"] or {
         "attention_type": "sliding_attention",
-        "num_attention_heads": num_attention_heads,
-        "num_attention_groups": num_attention_groups,
-        "head_dim": head_dim,
+        "num_attention_heads": Hq,
+        "num_attention_groups": G,
+        "head_dim": D,
       }
-      self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
-      self.partial_rotary_factors = partial_rotary_factors
-      self.yarn_only_types = yarn_only_types or ["full_attention"]
-      self.use_rope_layers = use_rope_layers
-      self.num_nextn_predict_layers = num_nextn_predict_layers
-      self.swiglu_limits, self.swiglu_limits_shared = swiglu_limits, swiglu_limits_shared
-      self.use_cache = use_cache
+      self.yarn_only_types = fields["yarn_only_types"] or ["full_attention"]
       super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
   return Step3p5Config

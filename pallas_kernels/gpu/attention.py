@@ -1,7 +1,7 @@
 """Sliding-window GQA flash attention for NVIDIA GPUs via Pallas' Triton lowering (forward + dq + dk/dv).
 
-Same math as pallas_kernels/sliding_window_attention.py (which owns the custom_vjp and calls `forward` /
-`backward` here when cfg.backend == "gpu"). The Triton backend has no scalar prefetch and no scratch, so:
+Same math as the TPU kernels (pallas_kernels/tpu/attention.py); pallas_kernels.vjp differentiates `forward` /
+`backward` here when the config names this module. The Triton backend has no scalar prefetch and no scratch, so:
   * forward / dq: grid (q_blocks, B, Hq); the kernel loops over key blocks with lax.fori_loop whose bounds come
     from `kv_block_range` (the TPU kernel's pair list uses the same function), so blocks outside the causal
     window are never touched; accumulators live in registers (loop carry).
@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.sliding_window_attention import MASK_VALUE, NN, NT, _visible, dot, kv_block_range, q_block_range
+from pallas_kernels.common import NN, NT, dot, kv_block_range, pad_axis, padded_seq_len, plgpu, q_block_range
+from pallas_kernels.masks import MASK_VALUE, visible
 
 BWD_BLOCK = 64
 _TRACED = dict(maximum=jnp.maximum, minimum=jnp.minimum, div=lax.div)
@@ -31,17 +31,6 @@ _TRACED = dict(maximum=jnp.maximum, minimum=jnp.minimum, div=lax.div)
 
 def _params(bq, bk):
   return plgpu.CompilerParams(num_warps=4 if bq * bk <= 64 * 64 else 8, num_stages=2)
-
-
-def _t_pad(cfg):
-  blk = max(cfg.block_q, cfg.block_k)  # powers of two: lcm = max
-  return -(-cfg.seq_len // blk) * blk
-
-
-def _pad_t(x, t_pad, value=0):
-  widths = [(0, 0)] * x.ndim
-  widths[1] = (0, t_pad - x.shape[1])
-  return jnp.pad(x, widths, constant_values=value)
 
 
 # ----------------------------------------------------------------------------------------------- forward
@@ -60,7 +49,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg, has_seg):
     k, v = k_ref[ks, :], v_ref[ks, :]
     s = dot(q, k, NT) * cfg.scale
     k_pos = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-    mask = _visible(q_pos, k_pos, cfg.window, q_seg, seg_ref[ks][None, :] if has_seg else None)
+    mask = visible(q_pos, k_pos, cfg.window, q_seg, seg_ref[ks][None, :] if has_seg else None)
     s = jnp.where(mask, s, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     alpha = jnp.exp(m - m_new)
@@ -81,13 +70,13 @@ def forward(cfg, q, k, v, segment_ids):
   b, t, hq, d = q.shape
   group = hq // k.shape[2]
   bq, bk = cfg.block_q, cfg.block_k
-  t_pad = _t_pad(cfg)
+  t_pad = padded_seq_len(t, bq, bk)
   q_spec = pl.BlockSpec((None, bq, None, d), lambda i, b_, h: (b_, i, h, 0))
   kv_spec = pl.BlockSpec((None, t_pad, None, d), lambda i, b_, h: (b_, 0, lax.div(h, group), 0))
-  args = [_pad_t(q, t_pad), _pad_t(k, t_pad), _pad_t(v, t_pad)]
+  args = [pad_axis(q, 1, t_pad), pad_axis(k, 1, t_pad), pad_axis(v, 1, t_pad)]
   in_specs = [q_spec, kv_spec, kv_spec]
   if segment_ids is not None:
-    args.append(_pad_t(segment_ids.astype(jnp.int32), t_pad, -1))
+    args.append(pad_axis(segment_ids.astype(jnp.int32), 1, t_pad, -1))
     in_specs.append(pl.BlockSpec((None, t_pad), lambda i, b_, h: (b_, 0)))
   o, lse = pl.pallas_call(
     functools.partial(_fwd_kernel, cfg=cfg, has_seg=segment_ids is not None),
@@ -117,7 +106,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, has_
     ks = pl.ds(j * bk, bk)
     k, v = k_ref[ks, :], v_ref[ks, :]
     k_pos = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-    mask = _visible(q_pos, k_pos, cfg.window, q_seg, seg_ref[ks][None, :] if has_seg else None)
+    mask = visible(q_pos, k_pos, cfg.window, q_seg, seg_ref[ks][None, :] if has_seg else None)
     mask = mask & (q_pos < cfg.seq_len)
     prob = jnp.where(mask, jnp.exp(dot(q, k, NT) * cfg.scale - lse), 0.0)
     ds = prob * (dot(do, v, NT) - delta)
@@ -142,7 +131,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, gro
       qs = pl.ds(i * bq, bq)
       q, do = q_ref[qs, g, :], do_ref[qs, g, :]
       q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (bk, bq), 1)
-      mask = _visible(q_pos, k_pos, cfg.window, seg_ref[qs][None, :] if has_seg else None, k_seg)
+      mask = visible(q_pos, k_pos, cfg.window, seg_ref[qs][None, :] if has_seg else None, k_seg)
       mask = mask & (q_pos < cfg.seq_len)
       p_t = jnp.where(mask, jnp.exp(dot(k, q, NT) * cfg.scale - lse_ref[g, qs][None, :]), 0.0)
       dv = dv + dot(p_t.astype(do.dtype), do, NN)
@@ -161,15 +150,15 @@ def backward(cfg, q, k, v, segment_ids, o, lse, do):
   b, t, hq, d = q.shape
   hkv = k.shape[2]
   group = hq // hkv
-  t_pad = _t_pad(cfg)  # lse was written with the forward blocks
+  t_pad = padded_seq_len(t, cfg.block_q, cfg.block_k)  # lse was written with the forward blocks
   cfg = dataclasses.replace(cfg, block_q=min(cfg.block_q, BWD_BLOCK), block_k=min(cfg.block_k, BWD_BLOCK))
   bq, bk = cfg.block_q, cfg.block_k
   has_seg = segment_ids is not None
-  qp, kp, vp = _pad_t(q, t_pad), _pad_t(k, t_pad), _pad_t(v, t_pad)
-  dop = _pad_t(do.astype(q.dtype), t_pad)
+  qp, kp, vp = pad_axis(q, 1, t_pad), pad_axis(k, 1, t_pad), pad_axis(v, 1, t_pad)
+  dop = pad_axis(do.astype(q.dtype), 1, t_pad)
   delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
-  delta = jnp.pad(delta, ((0, 0), (0, 0), (0, t_pad - t)))
-  seg = [_pad_t(segment_ids.astype(jnp.int32), t_pad, -1)] if has_seg else []
+  delta = pad_axis(delta, 2, t_pad)
+  seg = [pad_axis(segment_ids.astype(jnp.int32), 1, t_pad, -1)] if has_seg else []
 
   q_spec = pl.BlockSpec((None, bq, None, d), lambda i, b_, h: (b_, i, h, 0))
   kv_full = pl.BlockSpec((None, t_pad, None, d), lambda i, b_, h: (b_, 0, lax.div(h, group), 0))
@@ -200,27 +189,3 @@ def backward(cfg, q, k, v, segment_ids, o, lse, do):
     name="swa_dkv_triton",
   )(qp, kp, vp, dop, lse, delta, *seg)
   return dq[:, :t], dk[:, :t], dv[:, :t]
-
-
-def sliding_window_attention(
-  q, k, v, *, window=None, segment_ids=None, scale=None, block_q=64, block_k=64, interpret=False
-):
-  """Entry point forcing the Triton kernels (interpret=True runs them on CPU). Shapes as the TPU kernel."""
-  from pallas_kernels import sliding_window_attention as swa
-  from pallas_kernels.gpu import check_triton_blocks
-
-  swa.check_attention_args(q, k, v, window, segment_ids, block_q, block_k)
-  check_triton_blocks(block_q=block_q, block_k=block_k, head_dim=q.shape[-1])
-  scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-  return swa.attention_with_backend(
-    q,
-    k,
-    v,
-    window=window,
-    segment_ids=segment_ids,
-    scale=scale,
-    block_q=block_q,
-    block_k=block_k,
-    interpret=interpret,
-    backend="gpu",
-  )

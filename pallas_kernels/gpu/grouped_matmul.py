@@ -1,4 +1,4 @@
-"""Grouped expert matmul for NVIDIA GPUs via Pallas' Triton lowering (called by pallas_kernels.grouped_matmul).
+"""Grouped expert matmul for NVIDIA GPUs via Pallas' Triton lowering (differentiated by pallas_kernels.vjp).
 
 The Triton backend has no scalar prefetch, so the visit lists of `group_metadata` (same function as the TPU
 kernel) are ordinary int32 operands that each program reads with scalar loads:
@@ -18,9 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.grouped_matmul import NN, NT, TN, _dot, _pad2, _round_up, group_metadata
+from pallas_kernels.common import NN, NT, TN, dot, group_metadata, pad_to, plgpu, round_up
 
 
 def _params(a, b):
@@ -53,7 +52,7 @@ def _gmm_kernel(
   def body(kk, acc):
     ks = pl.ds(kk * tk, tk)
     w = rhs_ref[g_rhs, cols, ks] if transpose_rhs else rhs_ref[g_rhs, ks, cols]
-    return acc + _dot(lhs_ref[rows, ks], w, NT if transpose_rhs else NN)
+    return acc + dot(lhs_ref[rows, ks], w, NT if transpose_rhs else NN)
 
   n_steps = jnp.where(g < n_groups, k_tiles, 0)  # tail group: no compute, stores zeros
   acc = lax.fori_loop(0, n_steps, body, jnp.zeros((tm, tn), jnp.float32))
@@ -62,16 +61,14 @@ def _gmm_kernel(
   plgpu.store(out_ref.at[rows, cols], acc.astype(out_ref.dtype), mask=mask)
 
 
-def gmm_call(cfg, lhs, rhs, group_sizes, transpose_rhs=False):
+def gmm(cfg, lhs, rhs, group_sizes, transpose_rhs=False):
   """lhs [M, K]; rhs [G, K, N] (or [G, N, K] when transpose_rhs) -> [M, N] in lhs.dtype."""
   m, k = lhs.shape
   n_groups = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   tm, tk, tn = cfg.tile_m, cfg.tile_k, cfg.tile_n
-  m_pad, k_pad, n_pad = _round_up(m, tm), _round_up(k, tk), _round_up(n, tn)
-  rhs_p = jnp.pad(
-    rhs, ((0, 0), (0, n_pad - n), (0, k_pad - k)) if transpose_rhs else ((0, 0), (0, k_pad - k), (0, n_pad - n))
-  )
+  m_pad, k_pad, n_pad = round_up(m, tm), round_up(k, tk), round_up(n, tn)
+  rhs_p = pad_to(rhs, (n_groups, n_pad, k_pad) if transpose_rhs else (n_groups, k_pad, n_pad))
   group, tile, starts, ends, n_vis, n_bound = group_metadata(group_sizes, m_pad, tm, with_tail=True, visit_empty=False)
   out = pl.pallas_call(
     functools.partial(
@@ -82,7 +79,7 @@ def gmm_call(cfg, lhs, rhs, group_sizes, transpose_rhs=False):
     compiler_params=_params(tm, tn),
     interpret=cfg.interpret,
     name="gmm_triton",
-  )(group, tile, starts, ends, n_vis, _pad2(lhs, m_pad, k_pad), rhs_p)
+  )(group, tile, starts, ends, n_vis, pad_to(lhs, (m_pad, k_pad)), rhs_p)
   return out[:m, :n]
 
 
@@ -97,7 +94,7 @@ def _tgmm_kernel(starts_ref, ends_ref, lhs_ref, grad_ref, out_ref, *, tm, tk, tn
     in_group = (row_ids >= start) & (row_ids < end)
     x = jnp.where(in_group, lhs_ref[rows, ks], 0).astype(lhs_ref.dtype)
     y = jnp.where(in_group, grad_ref[rows, ns], 0).astype(grad_ref.dtype)
-    return acc + _dot(x, y, TN)
+    return acc + dot(x, y, TN)
 
   first = lax.div(start, tm)
   last = jnp.where(end > start, lax.div(end + tm - 1, tm), first)  # exclusive
@@ -105,13 +102,13 @@ def _tgmm_kernel(starts_ref, ends_ref, lhs_ref, grad_ref, out_ref, *, tm, tk, tn
   out_ref[...] = acc.astype(out_ref.dtype)
 
 
-def tgmm_call(cfg, lhs, grad, group_sizes, out_dtype):
+def tgmm(cfg, lhs, grad, group_sizes, out_dtype):
   """lhs [M, K], grad [M, N] -> [G, K, N] in out_dtype."""
   m, k = lhs.shape
   n = grad.shape[1]
   n_groups = group_sizes.shape[0]
   tm, tk, tn = cfg.tile_m, cfg.tile_k, cfg.tile_n
-  m_pad, k_pad, n_pad = _round_up(m, tm), _round_up(k, tk), _round_up(n, tn)
+  m_pad, k_pad, n_pad = round_up(m, tm), round_up(k, tk), round_up(n, tn)
   _, _, starts, ends, _, _ = group_metadata(group_sizes, m_pad, tm, with_tail=False, visit_empty=True)
   out = pl.pallas_call(
     functools.partial(_tgmm_kernel, tm=tm, tk=tk, tn=tn),
@@ -121,5 +118,5 @@ def tgmm_call(cfg, lhs, grad, group_sizes, out_dtype):
     compiler_params=_params(tk, tn),
     interpret=cfg.interpret,
     name="tgmm_triton",
-  )(starts, ends, _pad2(lhs, m_pad, k_pad), _pad2(grad, m_pad, n_pad))
+  )(starts, ends, pad_to(lhs, (m_pad, k_pad)), pad_to(grad, (m_pad, n_pad)))
   return out[:, :k, :n]

@@ -9,6 +9,7 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from stepflash_jax import config as config_lib
 from stepflash_jax.config import ModelArgs
@@ -78,7 +79,10 @@ def apply(
   cache=None,
   cache_index=None,
 ):
-  """Run the model. Returns the output dict (and the sown "moe_stats" tree if stats=True)."""
+  """Run the model. Returns the output dict (and the sown "moe_stats" tree if stats=True).
+
+  Concrete (not traced) tokens are checked: ids outside [0, vocab_size) or an empty sequence raise ValueError."""
+  check_tokens(tokens, as_args(cfg).vocab_size, "apply")
   model = build(cfg, head)
   variables = {k: variables[k] for k in COLLECTIONS if k in variables}
   if stats:
@@ -92,9 +96,30 @@ def _jit_logits(args):
   return jax.jit(lambda v, t: apply(args, v, t)["logits"])
 
 
+def check_tokens(tokens, vocab_size: int, fn: str = "apply") -> None:
+  """ValueError for an empty batch / sequence (B or T = 0) and, when the ids are concrete (NumPy or a fully
+  addressable jax.Array, not a tracer under jit), for ids outside [0, vocab_size): out-of-range ids would give NaN
+  logits (ids >= vocab_size) or silently wrap around (negative ids)."""
+  shape = tuple(np.shape(tokens))
+  if len(shape) == 2 and 0 in shape:
+    raise ValueError(f"{fn}: empty input, tokens shape {shape} (need B >= 1 and T >= 1 tokens)")
+  if isinstance(tokens, jax.core.Tracer) or (isinstance(tokens, jax.Array) and not tokens.is_fully_addressable):
+    return
+  ids = np.asarray(tokens)
+  if ids.size and np.issubdtype(ids.dtype, np.integer) and (ids.min() < 0 or ids.max() >= vocab_size):
+    n_bad = int(((ids < 0) | (ids >= vocab_size)).sum())
+    raise ValueError(
+      f"{fn}: token ids must lie in [0, {vocab_size}) (vocab_size), got ids in [{ids.min()}, {ids.max()}] "
+      f"({n_bad} of {ids.size} out of range)"
+    )
+
+
 def forward(cfg, params, input_ids):
-  """int32 [B, T] -> float32 [B, T, vocab] logits of the main head (compute dtype from the config)."""
+  """int32 [B, T] -> float32 [B, T, vocab] logits of the main head (compute dtype from the config).
+
+  Raises ValueError for ids outside [0, vocab_size) and for an empty sequence (T = 0) or batch (B = 0)."""
   input_ids = jnp.asarray(input_ids)
   if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
     raise ValueError(f"input_ids must be an integer array [B, T], got {input_ids.dtype} {input_ids.shape}")
+  check_tokens(input_ids, as_args(cfg).vocab_size, "forward")
   return _jit_logits(as_args(cfg))(params, input_ids.astype(jnp.int32))

@@ -1,4 +1,4 @@
-"""Attention of one decoder layer (STEP35.md §1).
+"""Attention of one decoder layer (docs/architecture.md §3).
 
 q/k/v/g projections from the normed input, per-head zero-centred QK-norm *before* RoPE (one weight [D] shared by
 the heads), partial NeoX RoPE, GQA attention (sliding window or full causal) through
@@ -16,12 +16,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.masks import MASK_VALUE, visible
 from stepflash_jax import ops
 from stepflash_jax.model.mlp import Weight
 from stepflash_jax.model.norms import RMSNorm
 from stepflash_jax.model.rope import apply_rope
-
-NEG = -1e30
 
 
 def cached_attention(q, k, v, q_pos, k_pos, window):
@@ -34,11 +33,8 @@ def cached_attention(q, k, v, q_pos, k_pos, window):
   Hkv = k.shape[2]
   qg = q.astype(jnp.float32).reshape(B, Tq, Hkv, Hq // Hkv, D) * D**-0.5
   s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32))
-  qp, kp = q_pos[:, :, None], k_pos[:, None, :]
-  vis = (kp >= 0) & (kp <= qp)
-  if window is not None:
-    vis &= qp - kp < window
-  s = jnp.where(vis[:, None, None], s, NEG)
+  vis = visible(q_pos[:, :, None], k_pos[:, None, :], window, empty_keys=True)  # [B, Tq, S]
+  s = jnp.where(vis[:, None, None], s, MASK_VALUE)
   p = jax.nn.softmax(s, axis=-1)
   o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
   return o.reshape(B, Tq, Hq, D).astype(q.dtype)

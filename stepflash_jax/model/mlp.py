@@ -1,4 +1,5 @@
-"""SwiGLU feed-forward with the optional clamp of STEP35.md §1 (dense FFN and the MoE shared expert).
+"""SwiGLU feed-forward with the optional clamp of docs/architecture.md §5 (dense FFN, the MoE shared expert and its
+routed experts).
 
 Clamped SwiGLU: y = (min(silu(x W_gate), L) * clip(x W_up, -L, L)) W_down; L = 0 means no clamp.
 """
@@ -8,6 +9,9 @@ from typing import Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from stepflash_jax import ops
+from stepflash_jax.ops.grouped_matmul import take_rows
 
 
 def clamped_swiglu(gate: jax.Array, up: jax.Array, limit) -> jax.Array:
@@ -57,3 +61,19 @@ class MLP(nn.Module):
     h = clamped_swiglu(x @ wg, x @ wu, limit).astype(self.dtype)
     h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
     return h @ wd
+
+
+def routed_experts(rows, expert, wg, wu, wd, limit, implementation):
+  """The expert path: row m of rows [M, H] through SwiGLU expert expert[m] -> [M, H] in rows.dtype.
+
+  expert [M] int in [0, E]; E = no expert (output 0). wg/wu [E, H, F], wd [E, F, H]. Rows are sorted by expert
+  (a permutation, gathered both ways), the experts run as grouped matmuls (ops.grouped_matmul), rows go back.
+  """
+  M, E = rows.shape[0], wg.shape[0]
+  order = jnp.argsort(expert, stable=True).astype(jnp.int32)
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(M, dtype=jnp.int32))
+  sizes = jnp.zeros((E + 1,), jnp.int32).at[expert].add(1)[:E]  # rows of "no expert" sort past sum(sizes): 0
+  xs = take_rows(rows, order, inverse)
+  gmm = lambda a, w: ops.grouped_matmul(a, w, sizes, implementation=implementation)
+  h = clamped_swiglu(gmm(xs, wg), gmm(xs, wu), limit).astype(rows.dtype)
+  return take_rows(gmm(h, wd), inverse, order)

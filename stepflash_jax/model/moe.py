@@ -1,4 +1,4 @@
-"""Mixture of experts FFN (STEP35.md §1): sigmoid router in fp32, bias-for-selection-only, shared expert.
+"""Mixture of experts FFN (docs/architecture.md §5): sigmoid router in fp32, bias-for-selection-only, shared expert.
 
   s = sigmoid(x W_router)                         [N, E], fp32
   chosen = top_k(s + router_bias)                 router_bias: collection "router", not trained by gradients
@@ -8,7 +8,7 @@
 Dropless: tokens are sorted by expert and the experts run as grouped matmuls (`ops.grouped_matmul`), whose cost
 scales with the routed rows, not with the number of experts. Under parallel.use_mesh with expert_parallel set
 (ModelArgs.expert_parallel, e.g. "auto") the routed experts run expert-parallel in a shard_map instead
-(parallel/expert_parallel.py: same result, tokens exchanged between the devices holding their experts).
+(model/moe_parallel.py: same result, tokens exchanged between the devices holding their experts).
 Statistics for load balancing and routing confidence are sown into the "moe_stats" collection (`apply(..., mutable=["moe_stats"])`).
 """
 
@@ -16,10 +16,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from stepflash_jax import ops
-from stepflash_jax.ops.grouped_matmul import take_rows
-from stepflash_jax.model.mlp import MLP, Weight, clamped_swiglu
-from stepflash_jax.parallel import expert_parallel
+from stepflash_jax.model import moe_parallel
+from stepflash_jax.model.mlp import MLP, Weight, routed_experts
 
 
 def route(x, router_kernel, router_bias, top_k: int, scaling: float, renormalize: bool = True):
@@ -36,17 +34,19 @@ def route(x, router_kernel, router_bias, top_k: int, scaling: float, renormalize
 def expert_ffn(x, chosen, wg, wu, wd, limit, implementation):
   """Routed experts for x [N, H], chosen [N, k] -> [N, k, H] (each token's output from each chosen expert)."""
   N, k = chosen.shape
-  E = wg.shape[0]
-  flat = chosen.reshape(-1)
-  order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # sorted row -> (token, slot)
-  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(N * k, dtype=jnp.int32))
   slots = jnp.broadcast_to(x[:, None], (N, k, x.shape[1])).reshape(N * k, -1)
-  rows = take_rows(slots, order, inverse)  # [N*k, H] sorted by expert (a permutation: gather both ways)
-  sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
-  gmm = lambda a, w: ops.grouped_matmul(a, w, sizes, implementation=implementation)
-  h = clamped_swiglu(gmm(rows, wg), gmm(rows, wu), limit).astype(x.dtype)
-  y = gmm(h, wd)  # [N*k, H]
-  return take_rows(y, inverse, order).reshape(N, k, -1)
+  return routed_experts(slots, chosen.reshape(-1), wg, wu, wd, limit, implementation).reshape(N, k, -1)
+
+
+def normalized_scores(scores):
+  """Routing probabilities over all experts from nonnegative scores [..., E]: p = s / sum_e s (fp32)."""
+  s = scores.astype(jnp.float32)
+  return s / jnp.maximum(jnp.sum(s, -1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+
+
+def chosen_mass(p, chosen):
+  """Routing confidence Sigma_k per token: the probability mass sum_j p[..., chosen[..., j]] of the chosen experts."""
+  return jnp.take_along_axis(p, chosen.astype(jnp.int32), axis=-1, mode="clip").sum(-1)
 
 
 class MoE(nn.Module):
@@ -61,7 +61,7 @@ class MoE(nn.Module):
   implementation: str = "xla"
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
-  # Expert parallelism (parallel/expert_parallel.py): "none" | "auto" | "gather" | "a2a" | "ragged" (":<cf>");
+  # Expert parallelism (model/moe_parallel.py): "none" | "auto" | "gather" | "a2a" | "ragged" (":<cf>");
   # None = ModelArgs.expert_parallel of the enclosing decoder layer. Only used under parallel.use_mesh.
   expert_parallel: str | None = None
 
@@ -89,8 +89,8 @@ class MoE(nn.Module):
     xf = x.reshape(B * T, H).astype(self.dtype)
     scores, chosen, w = route(xf, router, bias.value, self.top_k, self.routed_scaling_factor, self.renormalize)
     mode = self._ep_mode()
-    if expert_parallel.active(mode):  # tokens travel to the devices holding their experts (shard_map)
-      y = expert_parallel.moe_experts(xf, chosen, w, wg, wu, wd, limit, mode=mode, implementation=self.implementation)
+    if moe_parallel.active(mode):  # tokens travel to the devices holding their experts (shard_map)
+      y = moe_parallel.moe_experts(xf, chosen, w, wg, wu, wd, limit, mode=mode, implementation=self.implementation)
     else:
       y = expert_ffn(xf, chosen, wg, wu, wd, limit, self.implementation)
       y = jnp.einsum("nkh,nk->nh", y.astype(jnp.float32), w)
@@ -100,17 +100,20 @@ class MoE(nn.Module):
     # Statistics over real tokens (fp32): expert load, mean routing probability, routing confidence Sigma_k
     # = probability mass (scores normalised over all experts) of the chosen experts.
     m = jnp.ones((B * T,), jnp.float32) if token_mask is None else token_mask.reshape(-1).astype(jnp.float32)
-    prob = scores / jnp.sum(scores, -1, keepdims=True)
+    prob = normalized_scores(scores)
     n = jnp.maximum(m.sum(), 1.0)
     self.sow("moe_stats", "load", jnp.zeros((E,), jnp.float32).at[chosen.reshape(-1)].add(jnp.repeat(m, self.top_k)))
     self.sow("moe_stats", "prob_mean", (prob * m[:, None]).sum(0) / n)
-    self.sow("moe_stats", "confidence", (jnp.take_along_axis(prob, chosen, -1).sum(-1) * m).sum() / n)
+    conf = chosen_mass(prob, chosen) * m
+    self.sow("moe_stats", "confidence", conf.sum() / n)
     self.sow("moe_stats", "tokens", m.sum())
+    # per token [B, T] (0 on padding): lets a caller average Sigma_k over a subset, e.g. the RL response tokens
+    self.sow("moe_stats", "confidence_per_token", conf.reshape(B, T))
     return y
 
 
 def update_router_bias(router, stats, rate: float):
-  """Aux-loss-free balancing (STEP35.md §1): bias_e += rate * sign(mean_load - load_e), per MoE layer.
+  """Aux-loss-free balancing (docs/training.md §3): bias_e += rate * sign(mean_load - load_e), per MoE layer.
 
   `router` is the "router" collection, `stats` the sown "moe_stats" tree of the same step (same module paths).
   """
@@ -125,7 +128,7 @@ def update_router_bias(router, stats, rate: float):
 
 
 def ep_balance_loss(stats, groups: int, top_k: int):
-  """EP-group balance loss (STEP35.md §2), mean over MoE layers: G * sum_g (sum_{e in g} f_e)(sum_{e in g} p_e),
+  """EP-group balance loss (docs/training.md §3), mean over MoE layers: G * sum_g (sum_{e in g} f_e)(sum_{e in g} p_e),
   f_e = fraction of the top-k slots given to e, p_e = mean routing probability of e. Differentiable through p."""
   losses = []
 

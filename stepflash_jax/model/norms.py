@@ -1,4 +1,5 @@
-"""Zero-centred RMSNorm (STEP35.md §1): y = x * rsqrt(mean(x^2) + eps) * (1 + w), w initialised to 0, fp32."""
+"""Zero-centred RMSNorm (docs/architecture.md §4): y = x * rsqrt(mean(x^2) + eps) * (1 + w), w initialised to 0,
+computed in fp32."""
 
 import flax.linen as nn
 import jax

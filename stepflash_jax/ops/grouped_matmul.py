@@ -2,18 +2,19 @@
 
 lhs [M, K] rows sorted by group, rhs [G, K, N], group_sizes [G] int32 with sum <= M: rows
 [start_g, start_g + group_sizes[g]) belong to group g; rows past sum(group_sizes) are exactly 0 in the output.
-Accumulation is fp32, the output has lhs.dtype.
+Accumulation is fp32, the output has lhs.dtype. Arguments are checked by pallas_kernels.common.check_gmm_args.
 
 Implementations (``implementation=``):
-  "reference"  per-row group id (searchsorted over the cumsum) and a masked matmul per group: O(G * M * K * N).
+  "reference"  pallas_kernels.reference.gmm_reference: per-row group id (searchsorted over the cumsum) and a masked
+               fp32 matmul per group: O(G * M * K * N).
   "xla"        padded tiles in plain XLA, cost O((M + G * tm) * K * N), i.e. it scales with the active rows, not
                with G * M. Each group's rows are moved (a gather) to a layout where every group starts on a tile
                boundary, so each of the W = (M + G * (tm - 1)) // tm tiles of tm rows belongs to one group; one
                batched einsum multiplies every tile by its group's rhs, and a second gather brings the rows back.
                The row moves are permutations, so their gradients are gathers too (custom_vjp: no scatter-add),
                and the rhs gradient sums the tiles of each group by a one-hot matmul.
-  "pallas"     pallas_kernels.grouped_matmul.gmm.
-  None         "pallas" on TPU, "xla" elsewhere.
+  "pallas"     pallas_kernels.grouped_matmul.gmm (Mosaic on TPU, Triton on GPU, interpreted on CPU).
+  None         "pallas" on TPU, "xla" elsewhere (ops.common.resolve_implementation).
 (jax.lax.ragged_dot would be the obvious XLA choice, but on CPU it costs as much as running every group densely.)
 """
 
@@ -22,18 +23,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-
-def _validate(lhs, rhs, group_sizes):
-  if lhs.ndim != 2:
-    raise ValueError(f"lhs must be [M, K], got shape {lhs.shape}")
-  if rhs.ndim != 3:
-    raise ValueError(f"rhs must be [G, K, N], got shape {rhs.shape}")
-  if rhs.shape[1] != lhs.shape[1]:
-    raise ValueError(f"rhs shape {rhs.shape} does not match lhs shape {lhs.shape} in K")
-  if group_sizes.ndim != 1 or group_sizes.shape[0] != rhs.shape[0]:
-    raise ValueError(f"group_sizes must be [G] = [{rhs.shape[0]}], got shape {group_sizes.shape}")
-  if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-    raise ValueError(f"group_sizes must be an integer array, got dtype {group_sizes.dtype}")
+from pallas_kernels.common import check_gmm_args
+from pallas_kernels.grouped_matmul import gmm as pallas_gmm
+from pallas_kernels.reference import gmm_reference as reference_grouped_matmul
+from stepflash_jax.ops.common import resolve_implementation
 
 
 def _default_tile_m(m: int, g: int) -> int:
@@ -90,18 +83,6 @@ def _take_groups_bwd(res, g):
 _take_groups.defvjp(_take_groups_fwd, _take_groups_bwd)
 
 
-def reference_grouped_matmul(lhs, rhs, group_sizes):
-  """Straightforward per-group masked matmul sum in fp32 (HIGHEST precision)."""
-  m = lhs.shape[0]
-  ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-  row_group = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right")  # == G past the end
-  out = jnp.zeros((m, rhs.shape[2]), jnp.float32)
-  for g in range(rhs.shape[0]):
-    x = jnp.where((row_group == g)[:, None], lhs.astype(jnp.float32), 0.0)
-    out = out + jnp.dot(x, rhs[g].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-  return out.astype(lhs.dtype)
-
-
 def tiled_grouped_matmul(lhs, rhs, group_sizes, *, tile_m=None):
   """Padded-tile grouped matmul in plain XLA (see module docstring)."""
   m, k = lhs.shape
@@ -133,16 +114,6 @@ def tiled_grouped_matmul(lhs, rhs, group_sizes, *, tile_m=None):
   return take_rows(y.reshape(rows, n), dest, src)
 
 
-def _pallas(lhs, rhs, group_sizes):
-  try:
-    from pallas_kernels.grouped_matmul import gmm
-  except ImportError as e:  # the kernel is another contributor's module
-    raise ImportError(
-      f"implementation='pallas' needs pallas_kernels.grouped_matmul.gmm, which could not be imported: {e}"
-    ) from e
-  return gmm(lhs, rhs, group_sizes)
-
-
 def grouped_matmul(lhs, rhs, group_sizes, *, implementation=None, tile_m=None):
   """out[r] = lhs[r] @ rhs[group(r)] for rows sorted by group.
 
@@ -153,18 +124,15 @@ def grouped_matmul(lhs, rhs, group_sizes, *, implementation=None, tile_m=None):
   Returns:
     [M, N] in lhs.dtype (fp32 accumulation); rows past sum(group_sizes) are 0.
   """
-  _validate(lhs, rhs, group_sizes)
-  if implementation is None:
-    implementation = "pallas" if jax.default_backend() == "tpu" else "xla"
+  check_gmm_args(lhs, rhs, group_sizes)
+  implementation = resolve_implementation(implementation)
   if implementation == "reference":
     return reference_grouped_matmul(lhs, rhs, group_sizes)
-  if implementation == "xla":
-    if lhs.shape[0] == 0 or rhs.shape[0] == 0:
-      return jnp.zeros((lhs.shape[0], rhs.shape[2]), lhs.dtype)
-    return tiled_grouped_matmul(lhs, rhs, group_sizes, tile_m=tile_m)
   if implementation == "pallas":
-    return _pallas(lhs, rhs, group_sizes)
-  raise ValueError(f"implementation must be 'reference', 'xla', 'pallas' or None, got {implementation!r}")
+    return pallas_gmm(lhs, rhs, group_sizes)
+  if lhs.shape[0] == 0 or rhs.shape[0] == 0:
+    return jnp.zeros((lhs.shape[0], rhs.shape[2]), lhs.dtype)
+  return tiled_grouped_matmul(lhs, rhs, group_sizes, tile_m=tile_m)
 
 
 __all__ = ["grouped_matmul", "reference_grouped_matmul", "take_rows", "tiled_grouped_matmul"]

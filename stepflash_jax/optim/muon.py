@@ -1,4 +1,4 @@
-"""Muon, StepFun's Step 3.5 Flash variant (STEP35.md §2), with AdamW for embeddings / heads / 1-D params.
+"""Muon, StepFun's Step 3.5 Flash variant (docs/training.md §1), with AdamW for embeddings / heads / 1-D params.
 
 Muon update for one matrix parameter W (all math in fp32 unless stated):
     buf  = 0.95 * buf + g                       (momentum, fp32 state)
@@ -23,7 +23,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-# Polar Express (Amsel et al. 2025) per-step (a, b, c), STEP35.md §2; steps past the table use POLAR_EXPRESS_LATER.
+# Polar Express (Amsel et al. 2025) per-step (a, b, c) (the Step 3.5 Flash report §2 lists rows 1-6): the reference
+# code's list for l = 1e-3, cushion 0.02 (NoahAmsel/PolarExpress polar_express/basic.py, the same list as StepFun's
+# SteptronOss steptronoss/optimizer/_helpers.py); row 7 is 1.875.. up to 2e-6. Steps past the table repeat
+# POLAR_EXPRESS_LATER, the converged quintic.
 POLAR_EXPRESS_TABLE = (
   (8.28721201814563, -23.595886519098837, 17.300387312530933),
   (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
@@ -31,8 +34,15 @@ POLAR_EXPRESS_TABLE = (
   (3.3184196573706015, -2.488488024314874, 0.51004894012372),
   (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
   (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+  (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
 )
 POLAR_EXPRESS_LATER = (1.875, -1.25, 0.375)
+# Which steps the safety factor divides: "reference" (default) every table row, only the repeated LATER entry is
+# unscaled -- what the Polar Express reference code and StepFun's open training code run, so with 6 steps all six
+# are scaled. "last_step_unscaled": every step except the last one run (6 steps: row 6 unscaled) -- the paper's
+# generator `optimal_composition(num_iters=steps)` does this when the list is built for exactly `steps` iterations;
+# kept as an ablation switch (optim.pe_safety), not the default, because the published schedule is the former.
+PE_SAFETY_SCHEDULES = ("reference", "last_step_unscaled")
 NEWTON_SCHULZ_COEFFS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, same (a, b, c) every step
 _DTYPES = {"float16": jnp.float16, "float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _METHODS = ("polar_express", "newton_schulz")
@@ -57,23 +67,30 @@ def _is_dims(x) -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 # Orthogonalisation
 # ----------------------------------------------------------------------------------------------------------------
-def polar_express_coeffs(steps: int = 6, safety: float = 1.01) -> tuple[tuple[float, float, float], ...]:
-  """Per-step (a, b, c): the table (then 'later' rows); every step except the last -> (a/s, b/s^3, c/s^5).
+def polar_express_coeffs(
+  steps: int = 6, safety: float = 1.01, schedule: str = "reference"
+) -> tuple[tuple[float, float, float], ...]:
+  """Per-step (a, b, c): the table rows, then POLAR_EXPRESS_LATER; a scaled step is (a/s, b/s^3, c/s^5).
 
-  Note: STEP35.md says "every step except the last" divides by the safety factor, so with 6 steps the 6th table
-  row is used unscaled (the Polar Express reference code instead leaves only its final 'later' entry unscaled).
+  schedule "reference" (default): every table row is scaled, the LATER entry never (the reference code's list:
+  scale all but its last, converged, polynomial, then repeat that one). "last_step_unscaled": every step but the
+  last one run is scaled, whichever row it is (see PE_SAFETY_SCHEDULES).
   """
   if steps < 1:
     raise ValueError(f"steps must be >= 1, got {steps}")
-  rows = [POLAR_EXPRESS_TABLE[i] if i < len(POLAR_EXPRESS_TABLE) else POLAR_EXPRESS_LATER for i in range(steps)]
+  if schedule not in PE_SAFETY_SCHEDULES:
+    raise ValueError(f"schedule must be one of {PE_SAFETY_SCHEDULES}, got {schedule!r}")
+  n = len(POLAR_EXPRESS_TABLE)
+  rows = [POLAR_EXPRESS_TABLE[i] if i < n else POLAR_EXPRESS_LATER for i in range(steps)]
+  scaled = (lambda i: i < n) if schedule == "reference" else (lambda i: i < steps - 1)
   return tuple(
-    (a / safety, b / safety**3, c / safety**5) if i < steps - 1 else (a, b, c) for i, (a, b, c) in enumerate(rows)
+    (a / safety, b / safety**3, c / safety**5) if scaled(i) else (a, b, c) for i, (a, b, c) in enumerate(rows)
   )
 
 
-def _coeffs(method: str, steps: int | None) -> tuple[tuple[float, float, float], ...]:
+def _coeffs(method: str, steps: int | None, pe_safety: str = "reference") -> tuple[tuple[float, float, float], ...]:
   if method == "polar_express":
-    return polar_express_coeffs(6 if steps is None else steps)
+    return polar_express_coeffs(6 if steps is None else steps, schedule=pe_safety)
   if method == "newton_schulz":
     steps = 5 if steps is None else steps
     if steps < 1:
@@ -117,15 +134,17 @@ def orthogonalize_matrices(
   ortho_dtype="float16",
   norm_safety: float | None = None,
   eps: float = 1e-7,
+  pe_safety: str = "reference",
 ) -> jax.Array:
   """g [..., rows, cols] -> O [..., rows, cols] (fp32) ~ U V^T of each trailing matrix (leading axes = batch).
 
   X = G / (||G||_F * norm_safety + eps) (norm in fp32; norm_safety default 1.01 for polar_express, 1.0 for
   newton_schulz), transposed so rows <= cols, then per step A = X X^T, X = a X + (b A + c A^2) X in ortho_dtype.
+  pe_safety: which Polar Express steps the 1.01 safety factor divides (`polar_express_coeffs` schedule).
   """
   if g.ndim < 2:
     raise ValueError(f"g must have rank >= 2, got shape {g.shape}")
-  coeffs = _coeffs(method, ns_steps)
+  coeffs = _coeffs(method, ns_steps, pe_safety)
   dtype = _dtype(ortho_dtype)
   if norm_safety is None:
     norm_safety = 1.01 if method == "polar_express" else 1.0
@@ -382,18 +401,24 @@ def muon(
   adam_eps: float = 1e-8,
   adam_weight_decay: float | None = None,
   grad_clip_norm: float | None = None,
+  pe_safety: str = "reference",
 ) -> optax.GradientTransformation:
   """StepFun Muon for Muon leaves + AdamW (0.9, 0.95, 1e-8) for the rest, one LR (float or optax schedule).
 
   Leaves are assigned by dims_fn(params) (default `muon_dims`: MuonDims -> Muon, None -> AdamW). Both parts use
   decoupled weight decay p *= 1 - lr * wd (adam_weight_decay None = weight_decay). method "polar_express"
   (ns_steps default 6) or "newton_schulz" (default 5); ortho_dtype "float16" | "float32" | "bfloat16".
-  grad_clip_norm: if set, clip by global norm first (STEP35 recipe: 1.0; default off, the trainer may clip).
+  grad_clip_norm: if set, clip by global norm first (StepFun's recipe: 1.0, docs/training.md §1; default off, the
+  trainer may clip).
+  pe_safety: which Polar Express steps the safety factor divides, "reference" (default) or "last_step_unscaled"
+  (`polar_express_coeffs`).
   State: a pytree of arrays (optax PartitionState; Muon momentum fp32, AdamW moments fp32).
   """
-  _coeffs(method, ns_steps)
+  _coeffs(method, ns_steps, pe_safety)
   _dtype(ortho_dtype)
-  ortho_kwargs = dict(method=method, ns_steps=ns_steps, ortho_dtype=ortho_dtype, norm_safety=norm_safety, eps=eps)
+  ortho_kwargs = dict(
+    method=method, ns_steps=ns_steps, ortho_dtype=ortho_dtype, norm_safety=norm_safety, eps=eps, pe_safety=pe_safety
+  )
   labels = lambda tree: jax.tree.map(lambda d: "adamw" if d is None else "muon", dims_fn(tree), is_leaf=_is_dims)
   tx = optax.partition(
     {

@@ -1,15 +1,14 @@
-"""Parallelism: the device mesh and logical-axis rules (mesh.py), the expert-parallel MoE (expert_parallel.py),
+"""Parallelism: the device mesh and logical-axis rules (mesh.py), the expert-parallel MoE lives in model/moe_parallel.py;
 per-device kernels under GSPMD (local_ops.py), multi-host helpers (multihost.py).
 
     mesh = parallel.make_mesh(config.mesh)                 # data / fsdp / expert / tensor
     rules = parallel.rules(config)                         # config.mesh.rules + DEFAULT_RULES
     with parallel.use_mesh(mesh, rules):                   # constraints + expert parallelism active while tracing
-      variables = parallel.init_variables(cfg, rng, mesh, rules)
-      opt = parallel.init_opt_state(tx, variables["params"], cfg, mesh, rules)
+      variables = train.state.init_variables(cfg, rng, mesh, rules)   # variable shardings: train/state.py
       state, metrics = step(state, parallel.shard_batch(batch, mesh, rules))
 """
 
-from stepflash_jax.parallel import expert_parallel, local_ops, multihost
+from stepflash_jax.parallel import local_ops, multihost
 from stepflash_jax.parallel.mesh import (
   BATCH_AXES,
   DEFAULT_RULES,
@@ -19,22 +18,14 @@ from stepflash_jax.parallel.mesh import (
   batch_sharding,
   check_rules,
   create_sharded,
-  describe,
-  init_opt_state,
-  init_variables,
   make_mesh,
   mesh_shape,
   mesh_specs,
-  place_state,
   replicated,
   resolve,
   rules,
   shard_batch,
-  state_shardings,
-  state_specs,
   use_mesh,
-  variable_shardings,
-  variable_specs,
 )
 from stepflash_jax.parallel.multihost import host_shard, initialize, local_batch_size, to_host
 
@@ -47,11 +38,7 @@ __all__ = [
   "batch_sharding",
   "check_rules",
   "create_sharded",
-  "describe",
-  "expert_parallel",
   "host_shard",
-  "init_opt_state",
-  "init_variables",
   "initialize",
   "local_batch_size",
   "local_ops",
@@ -59,15 +46,10 @@ __all__ = [
   "mesh_shape",
   "mesh_specs",
   "multihost",
-  "place_state",
   "replicated",
   "resolve",
   "rules",
   "shard_batch",
-  "state_shardings",
-  "state_specs",
   "to_host",
   "use_mesh",
-  "variable_shardings",
-  "variable_specs",
 ]

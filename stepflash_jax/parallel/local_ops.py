@@ -3,7 +3,7 @@
 GSPMD cannot partition a Pallas call: called on sharded operands it would gather them. Attention is independent
 per (sequence, kv head group), so it runs locally on the batch shards (mesh axes of "batch") and head shards
 (mesh axes of "heads" = "kv_heads", e.g. tensor) with no communication. The grouped matmul of the MoE already
-runs inside the expert-parallel shard_map (expert_parallel.py).
+runs inside the expert-parallel shard_map (model/moe_parallel.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from stepflash_jax import ops
+from stepflash_jax.parallel.mesh import DEFAULT_RULES, as_tuple, axis_sizes, batch_axes, resolve
 
 
 def sliding_window_attention(q, k, v, *, window, segment_ids=None, implementation=None, scale=None):
@@ -29,13 +30,11 @@ def sliding_window_attention(q, k, v, *, window, segment_ids=None, implementatio
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return f(q, k, v, segment_ids)
-  from stepflash_jax.parallel.mesh import DEFAULT_RULES, _as_tuple, axis_sizes, batch_axes, resolve
-
   rules = nn.get_logical_axis_rules() or DEFAULT_RULES
   sizes = axis_sizes(mesh)
   Hq, Hkv = q.shape[2], k.shape[2]
   best = batch_axes(mesh, q.shape[0], rules)
-  heads = tuple(a for a in _as_tuple(resolve(("kv_heads",), rules)[0]) if a not in best)
+  heads = tuple(a for a in as_tuple(resolve(("kv_heads",), rules)[0]) if a not in best)
   nh = math.prod(sizes[a] for a in heads)
   if Hkv % nh or Hq % nh:
     heads = ()

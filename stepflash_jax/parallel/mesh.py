@@ -22,7 +22,6 @@ sharding the vocabulary, (("embed", "fsdp"),) keeps "embed" off the expert axis.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from typing import Sequence
 
@@ -57,7 +56,7 @@ DEFAULT_RULES = (
 # Rules and their resolution
 
 
-def _as_tuple(axes) -> tuple:
+def as_tuple(axes) -> tuple:
   if axes is None:
     return ()
   return (axes,) if isinstance(axes, str) else tuple(axes)
@@ -73,7 +72,7 @@ def check_rules(rules) -> tuple:
   for i, r in enumerate(rules):
     if not isinstance(r, (tuple, list)) or len(r) != 2 or not isinstance(r[0], str):
       raise ValueError(f"config field 'mesh.rules': entry {i} must be a (logical name, mesh axes) pair, got {r!r}")
-    axes = _as_tuple(r[1])
+    axes = as_tuple(r[1])
     bad = [a for a in axes if a not in MESH_AXES]
     if bad:
       raise ValueError(
@@ -118,7 +117,7 @@ def resolve(
     pos = names.index(logical)
     if result[pos] is not ...:
       continue
-    axes = _as_tuple(mesh_axes)
+    axes = as_tuple(mesh_axes)
     if used & set(axes):
       continue
     if axes and axis_sizes is not None and shape is not None:
@@ -135,16 +134,16 @@ def resolve(
   return P(*[None if r is ... else _pack(r) for r in result])
 
 
-def _is_spec(x) -> bool:
+def is_spec(x) -> bool:
   return isinstance(x, P)
 
 
 def mesh_specs(logical_tree, rules_, axis_sizes: dict | None = None, shapes_tree=None, dropped: list | None = None):
   """Tree of logical PartitionSpecs (model.logical_axes) -> tree of mesh PartitionSpecs (see `resolve`)."""
   if shapes_tree is None:
-    return jax.tree.map(lambda s: resolve(tuple(s), rules_), logical_tree, is_leaf=_is_spec)
+    return jax.tree.map(lambda s: resolve(tuple(s), rules_), logical_tree, is_leaf=is_spec)
   return jax.tree.map(
-    lambda s, x: resolve(tuple(s), rules_, axis_sizes, x.shape, dropped), logical_tree, shapes_tree, is_leaf=_is_spec
+    lambda s, x: resolve(tuple(s), rules_, axis_sizes, x.shape, dropped), logical_tree, shapes_tree, is_leaf=is_spec
   )
 
 
@@ -152,11 +151,27 @@ def mesh_specs(logical_tree, rules_, axis_sizes: dict | None = None, shapes_tree
 # Mesh
 
 
+def _err(field, msg):
+  raise ValueError(f"config field '{field}': {msg}")
+
+
 def mesh_shape(mesh_cfg, num_devices: int) -> dict:
   """{axis: size} of config.mesh with one -1 filled in; ValueError naming the field if it does not fit."""
-  from stepflash_jax.train.validate import mesh_shape as _shape
-
-  return _shape(mesh_cfg, num_devices)
+  axes = {k: int(mesh_cfg[k]) for k in ("data", "fsdp", "expert", "tensor")}
+  free = [k for k, v in axes.items() if v == -1]
+  if len(free) > 1:
+    _err(f"mesh.{free[1]}", "at most one mesh axis may be -1")
+  for k, v in axes.items():
+    if v == 0 or v < -1:
+      _err(f"mesh.{k}", f"must be a positive size or -1, got {v}")
+  known = math.prod(v for v in axes.values() if v != -1)
+  if free:
+    if num_devices % known:
+      _err(f"mesh.{free[0]}", f"cannot fill {num_devices} devices with the other axes' product {known}")
+    axes[free[0]] = num_devices // known
+  elif known != num_devices:
+    _err("mesh", f"axis sizes {axes} multiply to {known} but there are {num_devices} devices")
+  return axes
 
 
 def make_mesh(mesh_cfg, devices: Sequence | None = None) -> jax.sharding.Mesh:
@@ -185,132 +200,9 @@ def use_mesh(mesh, rules_):
     yield
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Shardings of variables and of whole training states
-
-
-@functools.lru_cache(maxsize=32)
-def _model_shapes(args, head: str):
-  """(logical PartitionSpec tree, ShapeDtypeStruct tree) of the variables; cached per (ModelArgs, head)."""
-  from stepflash_jax import model as model_lib
-
-  with _no_rules():
-    return model_lib.logical_axes(args, head), model_lib.abstract_variables(args, head)
-
-
-def _no_rules():
-  """model.abstract_variables unboxes flax metadata, which would apply the logical constraints to shape structs
-  under use_mesh; empty rules turn the constraints off for these shape-only calls."""
-  return nn.logical_axis_rules(())
-
-
-def variable_specs(cfg, mesh_or_sizes, rules_, head: str = "lm", dropped: list | None = None):
-  """{"params", "router"} tree of mesh PartitionSpecs for the model `cfg` ("lm" actor or "value" critic head)."""
-  from stepflash_jax import model as model_lib
-
-  sizes = mesh_or_sizes if isinstance(mesh_or_sizes, dict) else axis_sizes(mesh_or_sizes)
-  logical, shapes = _model_shapes(model_lib.as_args(cfg), head)
-  return mesh_specs(logical, rules_, sizes, shapes, dropped)
-
-
-def variable_shardings(cfg, mesh, rules_, head: str = "lm"):
-  """{"params", "router"} tree of NamedShardings (no allocation: built from abstract shapes)."""
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), variable_specs(cfg, mesh, rules_, head), is_leaf=_is_spec)
-
-
-def _key(k) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
-
-
-def _lookup(cfg, sizes, rules_, heads) -> dict:
-  """{(path without the collection name): (shape, PartitionSpec)} over the variables of the given heads."""
-  from stepflash_jax import model as model_lib
-
-  table = {}
-  for head in heads:
-    specs = variable_specs(cfg, sizes, rules_, head)
-    shapes = _model_shapes(model_lib.as_args(cfg), head)[1]
-    flat_s = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]
-    flat_x = jax.tree.leaves(shapes)
-    for (path, spec), x in zip(flat_s, flat_x):
-      table[tuple(_key(k) for k in path[1:])] = (tuple(x.shape), spec)
-  return table
-
-
-def state_specs(state, cfg, mesh_or_sizes, rules_, heads: Sequence[str] = ("lm", "value")):
-  """Mesh PartitionSpecs for any pytree `state` (arrays or ShapeDtypeStructs, e.g. jax.eval_shape of the state
-  builder) holding variables and optimizer states: a leaf whose key path ends with a variable's path (within its
-  collection) and has that variable's shape is sharded like it (params, Muon momentum, AdamW mu/nu, router bias,
-  the value head); everything else (step counters, scalars, PRNG keys) is replicated."""
-  sizes = mesh_or_sizes if isinstance(mesh_or_sizes, dict) else axis_sizes(mesh_or_sizes)
-  table = _lookup(cfg, sizes, rules_, tuple(heads))
-  longest = max((len(k) for k in table), default=0)
-
-  def one(path, x):
-    keys = tuple(_key(k) for k in path)
-    shape = tuple(getattr(x, "shape", ()))
-    for n in range(min(longest, len(keys)), 0, -1):
-      hit = table.get(keys[-n:])
-      if hit is not None and hit[0] == shape:
-        return hit[1]
-    return P()
-
-  return jax.tree_util.tree_map_with_path(one, state)
-
-
-def state_shardings(state, cfg, mesh, rules_, heads: Sequence[str] = ("lm", "value")):
-  """NamedShardings of `state_specs` on `mesh`."""
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs(state, cfg, mesh, rules_, heads), is_leaf=_is_spec)
-
-
 def create_sharded(fn, *args, shardings):
   """fn(*args) computed under jit directly into `shardings` (each device materialises only its shards)."""
   return jax.jit(fn, out_shardings=shardings)(*args)
-
-
-def init_variables(cfg, rng, mesh, rules_, head: str = "lm", per_leaf: bool = False):
-  """Random variables created directly sharded (never a full host copy).
-
-  per_leaf=False: exactly model.init(cfg, rng, head) (one flat normal draw sliced into leaves; threefry is
-  partitionable, so the values do not depend on the mesh) -- XLA reshuffles the slices between devices, fine at
-  toy scale. per_leaf=True: every leaf drawn on its own (normal(init_std) from fold_in(rng, leaf index); norm
-  scales, router biases and the value head zero, as model.init), so each device only generates its shards: use
-  this for the 196B model (different random values than model.init)."""
-  from stepflash_jax import model as model_lib
-
-  args = model_lib.as_args(cfg)
-  shardings = variable_shardings(args, mesh, rules_, head)
-  if not per_leaf:
-    with _no_rules():
-      return create_sharded(lambda r: model_lib.init(args, r, head), rng, shardings=shardings)
-  shapes = _model_shapes(args, head)[1]
-  paths, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-
-  def sample(rng):
-    out = []
-    for i, (path, x) in enumerate(paths):
-      names = [_key(k) for k in path]
-      if names[-1] in ("scale", "router_bias") or "value_head" in names:
-        out.append(jax.numpy.zeros(x.shape, x.dtype))
-      else:
-        out.append((args.init_std * jax.random.normal(jax.random.fold_in(rng, i), x.shape)).astype(x.dtype))
-    return jax.tree.unflatten(treedef, out)
-
-  return create_sharded(sample, rng, shardings=shardings)
-
-
-def init_opt_state(tx, params, cfg, mesh, rules_):
-  """tx.init(params) with every moment / momentum sharded like its parameter (scalars replicated)."""
-  abstract = jax.eval_shape(tx.init, params)
-  return create_sharded(tx.init, params, shardings=state_shardings(abstract, cfg, mesh, rules_))
-
-
-def place_state(state, cfg, mesh, rules_):
-  """Reshard an existing state pytree (e.g. the SFT result handed to RL, or a single-device state in tests)."""
-  return jax.device_put(state, state_shardings(state, cfg, mesh, rules_))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -320,7 +212,7 @@ def place_state(state, cfg, mesh, rules_):
 def batch_axes(mesh, batch_size: int, rules_=None) -> tuple:
   """Mesh axes for a leading batch dimension of `batch_size`: the mesh axes of the logical "batch" rule, keeping
   the subset (in order) with the largest product that divides batch_size."""
-  axes = _as_tuple(resolve(("batch",), rules_ or DEFAULT_RULES)[0])
+  axes = as_tuple(resolve(("batch",), rules_ or DEFAULT_RULES)[0])
   sizes = axis_sizes(mesh)
   best = ()
   for mask in range(1 << len(axes)):
@@ -361,38 +253,3 @@ def shard_batch(batch, mesh, rules_=None, global_batch: bool = False):
 
 def replicated(mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
-
-
-def describe(cfg, mesh_or_sizes, rules_, head: str = "lm") -> dict:
-  """{"params/...": "P(...)"} of every variable (for logs and the golden files)."""
-  specs = variable_specs(cfg, mesh_or_sizes, rules_, head)
-  flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]
-  return {"/".join(_key(k) for k in path): str(spec) for path, spec in flat}
-
-
-__all__ = [
-  "BATCH_AXES",
-  "DEFAULT_RULES",
-  "MESH_AXES",
-  "axis_sizes",
-  "batch_axes",
-  "batch_sharding",
-  "check_rules",
-  "create_sharded",
-  "describe",
-  "init_opt_state",
-  "init_variables",
-  "make_mesh",
-  "mesh_shape",
-  "mesh_specs",
-  "place_state",
-  "replicated",
-  "resolve",
-  "rules",
-  "shard_batch",
-  "state_shardings",
-  "state_specs",
-  "use_mesh",
-  "variable_shardings",
-  "variable_specs",
-]

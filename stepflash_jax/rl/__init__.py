@@ -1,4 +1,4 @@
-"""RL post-training pieces (STEP35.md section 3): MIS-PO and baseline losses, GAE, routing confidence."""
+"""RL post-training pieces (docs/rl.md): MIS-PO and baseline losses, GAE, routing confidence."""
 
 from stepflash_jax.rl.advantages import (
   gae_advantages,

@@ -1,4 +1,4 @@
-"""Critic-side targets: GAE and truncation-aware value bootstrapping (STEP35.md section 3).
+"""Critic-side targets: GAE and truncation-aware value bootstrapping (docs/rl.md §6-7).
 
 Value convention (one for the whole package): ``values`` is float32 [B, T+1] over the response slots,
 ``values[b, t] = V(s_t)``, the critic's value of the state *before* response token t is emitted (t < T), i.e. the
@@ -64,7 +64,7 @@ def place_terminal_reward(seq_rewards, mask):
 
 
 def terminal_rewards(task_rewards, truncated, final_values=None, mode="bootstrap"):
-  """Truncation-aware terminal reward per sequence (STEP35.md section 3), all [B]:
+  """Truncation-aware terminal reward per sequence (docs/rl.md §7), all [B]:
 
     mode="bootstrap": truncated ? sg(final_values) : task_rewards   (report: reward V(s_T) for a response cut
                       off by the length limit; final_values = ``value_after_last(values, mask)``)

@@ -1,4 +1,4 @@
-"""The critic (STEP35.md §3): the same backbone with a scalar value head, initialised from the SFT checkpoint.
+"""The critic (docs/rl.md §6): the same backbone with a scalar value head, initialised from the SFT checkpoint.
 
 values_all[b, p] = V(state after consuming tokens 0..p). For a response starting at column P (prompt length after
 left padding), V(s_t) of response token t is values_all[:, P - 1 + t]; V(s_T) after the last token is the next

@@ -1,15 +1,17 @@
-"""Actor / critic losses for RL post-training (STEP35.md section 3): MIS-PO and its baselines.
+"""Actor / critic losses for RL post-training (docs/rl.md): MIS-PO and its baselines.
 
 Conventions shared by every function here:
   * Per-token arrays are float32 [B, T] over the *response* positions (B trajectories, T response slots);
     ``logp[b, t] = log pi_theta(a_t | s_t)`` of the sampled token.
-  * ``mask`` [B, T] (bool, integer or float32) is nonzero on valid response tokens and treated as 0/1;
+  * ``mask`` [B, T] (bool, integer or float) is nonzero on valid response tokens and treated as 0/1;
     padding, prompt and environment (tool-output) tokens are 0. Values at masked positions never affect a
     loss, a metric or a gradient (they are replaced by 0 before any arithmetic), so padding may hold garbage.
   * Normaliser: token-level mean over the whole batch. ``normalizer="valid"`` (default) divides the summed
     per-token loss by max(#valid tokens, 1) -- every valid response token, kept or filtered. This is our
     reading of the report's expectation E_{tau ~ pi_vllm}[...] over all sampled tokens (a filtered token
-    contributes zero but still counts). ``"kept"`` divides by max(#kept tokens, 1) (MIS-style losses only).
+    contributes zero but still counts). ``"kept"`` divides by max(#kept tokens, 1): the MIS-kept tokens for
+    MIS-PO / GSPO; PPO and TIS filter nothing, so for them "kept" = "valid" (every actor objective accepts both,
+    so rl.normalizer means the same for all of them). ``unbiased_kl`` / ``value_loss`` take "valid" or a number.
     A positive number (or scalar array) is used as the denominator as is, e.g. the valid-token count of the
     whole generation when one loss is split over gradient-accumulation micro-batches.
   * ``logp_old``, ``logp_rollout``, ``logp_ref`` and ``advantages`` are constants (stop_gradient inside).
@@ -17,6 +19,7 @@ Conventions shared by every function here:
     ``unbiased_kl`` and ``entropy_from_logits``, which return the scalar, optionally with the per-token array).
   * Inputs are validated on static shapes/dtypes before computing (so it also works under jit): a shape or dtype
     mismatch raises ValueError naming the arrays and their dtype[shape]. String / float options must be static.
+    float64 inputs (NumPy's default) are accepted and computed in float32 (float64 when jax x64 is enabled).
 """
 
 from __future__ import annotations
@@ -46,17 +49,27 @@ def _fail(fn: str, problem: str, arrays: dict):
 
 def _is_mask_dtype(dtype) -> bool:
   dtype = jnp.dtype(dtype)
-  return dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.float32
+  return dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer) or dtype in (jnp.float32, jnp.float64)
+
+
+def _as_compute(x, dtype):
+  """float64 input -> float32 (float64 if jax x64 is enabled); other dtypes unchanged."""
+  if dtype == jnp.float64:
+    return jnp.asarray(x, jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
+  return jnp.asarray(x)
 
 
 def check_arrays(
   fn: str, arrays: dict, *, ndim: int = 2, masks: tuple = ("mask",), shape=None, expect=None, context=None
 ):
   """Check that every array in ``arrays`` has rank ``ndim`` and one common shape (``shape`` if given, else
-  the first array's), float32 dtype, and for the names in ``masks`` bool/integer/float32. Raises ValueError
-  naming the offending array and listing dtype[shape] of all arrays (plus ``context``, other arguments of the
-  call); ``expect`` describes the wanted shape, e.g. "[B, T+1]". Returns the arrays as jnp arrays, in order."""
+  the first array's), float32 or float64 dtype, and for the names in ``masks`` bool/integer/float32/float64.
+  Raises ValueError naming the offending array and listing dtype[shape] of all arrays (plus ``context``, other
+  arguments of the call); ``expect`` describes the wanted shape, e.g. "[B, T+1]". Returns the arrays as jnp
+  arrays, in order; float64 ones (e.g. NumPy defaults) are computed in float32, or float64 when jax x64 is on.
+  Lower precisions (float16, bfloat16) are refused: they would silently lose the ratio's precision."""
   shown = {**arrays, **(context or {})}
+  dtypes = []
   ref_name = next(iter(arrays))
   ref_shape = tuple(shape) if shape is not None else tuple(jnp.shape(arrays[ref_name]))
   want = f" {expect}" if expect else ""
@@ -72,10 +85,11 @@ def check_arrays(
     dtype = jnp.asarray(x).dtype if dtype is None else jnp.dtype(dtype)
     if name in masks:
       if not _is_mask_dtype(dtype):
-        _fail(fn, f"{name} must be bool, integer or float32, is {dtype.name}", shown)
-    elif dtype != jnp.float32:
-      _fail(fn, f"dtype mismatch: {name} is {dtype.name}, expected float32", shown)
-  return [jnp.asarray(x) for x in arrays.values()]
+        _fail(fn, f"{name} must be bool, integer or float32/float64, is {dtype.name}", shown)
+    elif dtype not in (jnp.float32, jnp.float64):
+      _fail(fn, f"dtype mismatch: {name} is {dtype.name}, expected float32 (or float64)", shown)
+    dtypes.append(dtype)
+  return [_as_compute(x, d) for x, d in zip(arrays.values(), dtypes)]
 
 
 def _bounds(fn: str, name: str, bounds) -> tuple[float, float]:
@@ -109,7 +123,7 @@ def _frac(num, den):
 
 # ----------------------------------------------------------------------------- MIS masks
 def mis_mask(logp_old, logp_rollout, mask, token_bounds=(0.5, 2.0), traj_bounds=(0.996, 1.001)):
-  """The two importance-sampling filter masks of MIS-PO (STEP35.md section 3).
+  """The two importance-sampling filter masks of MIS-PO (docs/rl.md §2).
 
   x_t = pi_old / pi_vllm = exp(logp_old - logp_rollout); rho = exp(mean_t log x_t) over the trajectory's valid
   tokens (geometric mean of x_t over *all* valid response tokens); keep_t = mask_t * I(x_t) * I(rho) with
@@ -170,7 +184,7 @@ def mispo_loss(
   traj_bounds=(0.996, 1.001),
   normalizer="valid",
 ):
-  """MIS-PO actor loss (STEP35.md section 3):
+  """MIS-PO actor loss (docs/rl.md §3):
 
       L = -sum_{b,t} keep_{b,t} * logp_{b,t} * sg(A_{b,t}) / denominator,
       keep = mask * I(x_t in token_bounds) * I(rho in traj_bounds)      (see ``mis_mask``)
@@ -202,11 +216,11 @@ def mispo_loss(
 
 
 def ppo_loss(logp, logp_old, advantages, mask, clip_eps=0.2, normalizer="valid"):
-  """PPO clipped surrogate (baseline in STEP35.md section 3), ratio r_t = pi_theta / pi_old:
+  """PPO clipped surrogate (baseline in docs/rl.md §4), ratio r_t = pi_theta / pi_old:
 
       L = -sum_t mask_t * min(r_t A_t, clip(r_t, 1 - eps, 1 + eps) A_t) / denominator
 
-  Denominator as in ``mispo_loss`` (default max(#valid tokens, 1); no "kept" here since nothing is filtered).
+  Denominator as in ``mispo_loss`` (default max(#valid tokens, 1); nothing is filtered, so "kept" = "valid").
   Args: logp, logp_old, advantages float32 [B, T]; mask [B, T].
   Returns (loss, metrics): clip_frac (valid tokens whose clipped branch is active, i.e. A > 0 and
     r > 1 + eps or A < 0 and r < 1 - eps, / valid), ratio_mean, ratio_max, approx_kl (mean of r - 1 - log r, the
@@ -218,7 +232,7 @@ def ppo_loss(logp, logp_old, advantages, mask, clip_eps=0.2, normalizer="valid")
   )
   valid = mask != 0
   n_valid = valid.sum().astype(jnp.float32)
-  denom = _denominator(fn, normalizer, n_valid)
+  denom = _denominator(fn, normalizer, n_valid, n_kept=n_valid)
   adv = sg(_safe(valid, advantages))
   log_r = _safe(valid, logp - sg(logp_old))
   ratio = jnp.exp(log_r)
@@ -248,7 +262,7 @@ def gspo_loss(
   traj_bounds=(0.996, 1.001),
   normalizer="valid",
 ):
-  """GSPO extended to actor-critic (baseline in STEP35.md section 3), with the two MIS masks of ``mispo_loss``.
+  """GSPO extended to actor-critic (baseline in docs/rl.md §4), with the two MIS masks of ``mispo_loss``.
 
   Sequence ratio s_b = (prod_t pi_theta / pi_old)^(1/n_b) = exp(mean over the n_b valid tokens of
   logp - logp_old). Per-token advantages A_t need a per-token gradient, so we use GSPO-token's form
@@ -300,7 +314,7 @@ def tis_loss(logp, logp_old, logp_rollout, advantages, mask, cap=2.0, normalizer
       L = -sum_t mask_t * min(x_t, C) * logp_t * sg(A_t) / denominator,   x_t = sg(exp(logp_old - logp_rollout))
 
   i.e. REINFORCE on samples from pi_vllm, re-weighted towards pi_old with the weight truncated at C = cap;
-  no PPO ratio, no clipping, nothing filtered. Denominator max(#valid tokens, 1) (or a number).
+  no PPO ratio, no clipping, nothing filtered. Denominator max(#valid tokens, 1) (or a number; "kept" = "valid").
   Gradient: dL/dlogp_t = -mask_t * min(x_t, C) * A_t / denominator.
   Returns (loss, metrics): trunc_frac (valid tokens with x_t > C / valid), token_ratio_mean (mean x_t),
     logp_abs_diff_mean, n_valid_tokens, denominator.
@@ -313,7 +327,7 @@ def tis_loss(logp, logp_old, logp_rollout, advantages, mask, cap=2.0, normalizer
     raise ValueError(f"{fn}: cap must be > 0, got {cap!r}")
   valid = mask != 0
   n_valid = valid.sum().astype(jnp.float32)
-  denom = _denominator(fn, normalizer, n_valid)
+  denom = _denominator(fn, normalizer, n_valid, n_kept=n_valid)
   log_x = _safe(valid, sg(logp_old) - sg(logp_rollout))
   x = jnp.exp(log_x)
   w = jnp.where(valid, jnp.minimum(x, cap), 0.0)
@@ -330,7 +344,7 @@ def tis_loss(logp, logp_old, logp_rollout, advantages, mask, cap=2.0, normalizer
 
 # ----------------------------------------------------------------------------- regularisers, critic, entropy
 def unbiased_kl(logp, logp_old, logp_ref, mask, normalizer="valid", per_token=False):
-  """Unbiased KL estimator of DeepSeek-V3.2 (STEP35.md section 3; coefficient 0.001 in Step's final stage):
+  """Unbiased KL estimator of DeepSeek-V3.2 (docs/rl.md §5; coefficient 0.001 in Step's final stage):
 
       KL_t = (pi_theta / pi_old) * (pi_ref / pi_theta - log(pi_ref / pi_theta) - 1)
 

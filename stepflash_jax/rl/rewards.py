@@ -1,4 +1,5 @@
-"""Reward functions (report section 4: rule-based verifiable rewards) and the registry the RL config selects from.
+"""Reward functions (report §5: rule-based verifiable rewards; docs/rl.md §1) and the registry the RL config selects
+from.
 
 Interface:  reward_fn(prompt: str, completion: str, **metadata) -> float
   metadata = the example's checker metadata plus family=..., difficulty=... and truncated=bool
@@ -6,7 +7,7 @@ Interface:  reward_fn(prompt: str, completion: str, **metadata) -> float
 
 Truncation: a completion cut off by the generation length limit (truncated=True) still gets its rule reward
 here (usually 0, since '<think>' without '</think>' has no answer); `score_batch` reports the flag per sample.
-The RL trainer, when truncation-aware bootstrapping is on (report section 3), REPLACES the reward of every
+The RL trainer, when truncation-aware bootstrapping is on (report §5, docs/rl.md §7), REPLACES the reward of every
 truncated sample by the critic's value V(s_T) of the final state instead of using this rule reward.
 
 Registry: get_reward_fn("rule") / register_reward("name") decorator for new reward functions.

@@ -1,4 +1,4 @@
-"""Routing confidence Sigma_k (STEP35.md section 3): the average probability mass of the activated experts.
+"""Routing confidence Sigma_k (docs/rl.md §8): the average probability mass of the activated experts.
 
 Per MoE layer l and token (b, t): p = the routing distribution over all E experts, Sigma = sum of p over the k
 chosen experts; averaged over valid tokens per layer, then over layers. Low Sigma_k predicts unstable off-policy
@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from stepflash_jax.model.moe import chosen_mass, normalized_scores
 from stepflash_jax.rl.losses import _fail, check_arrays
 
 SCORE_FNS = ("sigmoid", "softmax", "scores")
@@ -33,8 +34,7 @@ def routing_probs(router_logits, score_fn="sigmoid"):
   z = jnp.asarray(router_logits, jnp.float32)
   if score_fn == "softmax":
     return jax.nn.softmax(z, axis=-1)
-  s = jax.nn.sigmoid(z) if score_fn == "sigmoid" else z
-  return s / jnp.maximum(s.sum(-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+  return normalized_scores(jax.nn.sigmoid(z) if score_fn == "sigmoid" else z)
 
 
 def routing_confidence(router_logits, topk_idx, mask, score_fn="sigmoid", per_token=False):
@@ -62,7 +62,7 @@ def routing_confidence(router_logits, topk_idx, mask, score_fn="sigmoid", per_to
   valid = mask != 0
   z = jnp.where(valid[None, :, :, None], router_logits, 0.0)  # garbage at masked tokens never matters
   p = routing_probs(z, score_fn)
-  sigma = jnp.take_along_axis(p, topk_idx.astype(jnp.int32), axis=-1, mode="clip").sum(-1)  # [L, B, T]
+  sigma = chosen_mass(p, topk_idx)  # [L, B, T]: the same rule as the statistic the MoE layer sows
   sigma = jnp.where(valid[None], sigma, 0.0)
   per_layer = sigma.sum((1, 2)) / jnp.maximum(valid.sum(), 1).astype(jnp.float32)
   mean = per_layer.mean()

@@ -1,13 +1,15 @@
-"""RL with a critic (STEP35.md §3): SFT -> [rollout -> rewards -> values -> advantages -> mini-batch updates]*.
+"""RL with a critic (docs/rl.md §1): SFT -> [rollout -> rewards -> values -> advantages -> mini-batch updates]*.
 
 One generation:
   1. the rollout engine (its own numerics, bf16 by default) samples `samples_per_prompt` responses per prompt and
      records logp_rollout = log pi_vllm(a_t | s_t);
   2. rule rewards; truncated responses get V(s_T) (truncation-aware bootstrapping) or 0 / the task reward;
   3. the training engine (fp32) recomputes logp_old with the pre-update actor, logp_ref with the frozen SFT
-     params (unbiased KL) and V(s_t) with the critic; GAE (gamma = lambda = 1: A_t = R - V(s_t));
+     params (unbiased KL) and V(s_t) with the critic; GAE (gamma = lambda = 1: A_t = R - V(s_t)); all log-probs
+     under the rollout's sampling distribution (rl.temperature, rl.top_p: `token_logp`);
   4. one epoch: `actor_minibatches` actor updates with the configured objective (MIS-PO / PPO / GSPO / TIS)
-     + kl_coef * unbiased KL, and `critic_minibatches` critic updates (value loss), each a jitted step (Muon).
+     + kl_coef * unbiased KL (from generation rl.kl_start on), and `critic_minibatches` critic updates (value
+     loss), each a jitted step (Muon).
 Everything per generation is logged (reward, accuracy, grad norms, keep fractions, entropy, KL, truncation, routing
 confidence on the rollout and on the training pass, mean and per MoE layer, throughput); held-out greedy accuracy at
 intervals.
@@ -27,34 +29,24 @@ import numpy as np
 
 from stepflash_jax import model as model_lib
 from stepflash_jax import parallel
+from stepflash_jax.train import state as state_lib
 from stepflash_jax.data import prompt_dataset
-from stepflash_jax.model.moe import stat_layers, stat_mean
-from stepflash_jax.optim import muon
+from stepflash_jax.model.moe import stat_layers
 from stepflash_jax.rl import advantages as adv_lib
 from stepflash_jax.rl import losses
 from stepflash_jax.rl.critic import critic_from_actor, response_values
 from stepflash_jax.rl.rewards import score_batch
-from stepflash_jax.rl.rollout import RolloutEngine
+from stepflash_jax.sampling import RolloutEngine, sampling_logprobs
 from stepflash_jax.train import evaluate, sft
 from stepflash_jax.train.checkpoint import Checkpointer
-from stepflash_jax.train.metrics import MetricsWriter, Progress, StageClock, plot_metrics, summary_table
-
-
-def optimizer(rcfg, ocfg, lr, warmup):
-  """Muon with linear warmup (lr * (n + 1) / warmup for update n) to a constant LR, weight decay 0.1, clip 1.0."""
-  sched = lambda count: lr * jnp.minimum(1.0, (count + 1) / max(warmup, 1))
-  return muon(
-    sched,
-    method=ocfg.muon_method,
-    ortho_dtype=ocfg.ortho_dtype,
-    weight_decay=ocfg.weight_decay,
-    grad_clip_norm=ocfg.grad_clip,
-  )
+from stepflash_jax.train.step import due, frozen_mask, guarded_update, make_optimizer, warmup_constant
+from stepflash_jax.train.metrics import MetricsWriter, Progress, StageClock, plot_metrics, read_jsonl, summary_table
 
 
 def objective(rcfg, logp, mb):
-  """The configured actor loss on a mini-batch (all [n, R] float32)."""
-  o = rcfg.objective
+  """The configured actor loss on a mini-batch (all [n, R] float32); rl.normalizer ("valid" | "kept") applies to
+  every objective (PPO and TIS filter nothing: for them "kept" = "valid")."""
+  o, norm = rcfg.objective, rcfg.normalizer
   if o == "mispo":
     return losses.mispo_loss(
       logp,
@@ -64,10 +56,10 @@ def objective(rcfg, logp, mb):
       mb["mask"],
       tuple(rcfg.token_bounds),
       tuple(rcfg.traj_bounds),
-      normalizer=rcfg.normalizer,
+      normalizer=norm,
     )
   if o == "ppo":
-    return losses.ppo_loss(logp, mb["logp_old"], mb["adv"], mb["mask"], clip_eps=rcfg.ppo_clip)
+    return losses.ppo_loss(logp, mb["logp_old"], mb["adv"], mb["mask"], clip_eps=rcfg.ppo_clip, normalizer=norm)
   if o == "gspo":
     return losses.gspo_loss(
       logp,
@@ -78,8 +70,11 @@ def objective(rcfg, logp, mb):
       clip_eps=rcfg.gspo_clip,
       token_bounds=tuple(rcfg.token_bounds),
       traj_bounds=tuple(rcfg.traj_bounds),
+      normalizer=norm,
     )
-  return losses.tis_loss(logp, mb["logp_old"], mb["logp_rollout"], mb["adv"], mb["mask"], cap=rcfg.tis_cap)
+  return losses.tis_loss(
+    logp, mb["logp_old"], mb["logp_rollout"], mb["adv"], mb["mask"], cap=rcfg.tis_cap, normalizer=norm
+  )
 
 
 def mismatch_stats(rcfg, mb) -> dict:
@@ -110,9 +105,47 @@ def response_logits(args, variables, mb, prompt_len, stats=False):
   return out["logits"][:, prompt_len - 1 : prompt_len - 1 + R], st
 
 
-def token_logp(logits, tokens):
-  lp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
-  return jnp.take_along_axis(lp, tokens[..., None], -1)[..., 0]
+def token_logp(logits, tokens, temperature=1.0, top_p=1.0):
+  """log-prob [n, R] of each sampled token under the rollout's sampling distribution: softmax(logits / temperature)
+  restricted to the top-p nucleus, renormalised (`sampling_logprobs`, what the rollout engine records). logp_old,
+  logp_ref and the actor's logp all use it, so pi/pi_old and pi_old/pi_vllm compare one distribution and the MIS
+  filters see engine mismatch only. A token outside this engine's nucleus (the rollout's nucleus, other numerics,
+  kept it; or the actor moved it out) is scored as if the nucleus were widened to include it, log p(a) - log(M +
+  p(a)) with M the nucleus mass: finite (far from pi_vllm, so MIS filters it) where -inf would make the loss
+  non-finite. temperature 1, top_p 1: plain log-softmax."""
+  tok = lambda lp: jnp.take_along_axis(lp, tokens[..., None], -1)[..., 0]
+  lp_t = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, -1)
+  if top_p >= 1.0:
+    return tok(lp_t)
+  lp_s = sampling_logprobs(logits, temperature, top_p)
+  a_t, a_s = tok(lp_t), tok(lp_s)
+  log_mass = jnp.max(lp_t, -1) - jnp.max(lp_s, -1)  # log nucleus mass (the most likely token is always inside)
+  return jnp.where(jnp.isfinite(a_s), a_s, a_t - jnp.logaddexp(log_mass, a_t))
+
+
+def fed_mask(mask):
+  """Response tokens the rollout engine fed back through the model [n, R]: every valid token but a row's last
+  (that one is sampled, never fed). Its routing confidence is what `routing_confidence` of the rollout averages."""
+  return mask * jnp.pad(mask[:, 1:], ((0, 0), (0, 1)))
+
+
+def response_confidence(stats, mask, prompt_len):
+  """{MoE layer: Sigma_k} of a training-engine pass averaged over the same response tokens as the rollout's
+  (`fed_mask`), token-weighted over the batch; prompt tokens are left out as in the rollout's decode average."""
+  fed = fed_mask(mask)
+  R, n = fed.shape[1], jnp.maximum(fed.sum(), 1.0)
+
+  def reduce(path, x):
+    if "confidence_per_token" not in [str(getattr(k, "key", "")) for k in path]:
+      return x
+    return (x[..., prompt_len : prompt_len + R] * fed).sum((-2, -1)) / n  # [B, T] or [blocks, B, T]
+
+  return stat_layers(jax.tree_util.tree_map_with_path(reduce, stats), "confidence_per_token")
+
+
+def kl_coef_at(rcfg, step: int) -> float:
+  """The KL coefficient for the updates of generation `step` (0-based): rl.kl_coef from rl.kl_start on, else 0."""
+  return float(rcfg.kl_coef) if step >= rcfg.get("kl_start", 0) else 0.0
 
 
 class Functions:
@@ -120,14 +153,15 @@ class Functions:
 
   def __init__(self, args, rcfg, actor_tx, critic_tx, prompt_len, freeze_mask):
     P = prompt_len
+    sampling = dict(temperature=rcfg.get("temperature", 1.0), top_p=rcfg.get("top_p", 1.0))
 
     def score(params, router, mb):
       logits, st = response_logits(args, {"params": params, "router": router}, mb, P)
       mask = mb["mask"]
       return (
-        token_logp(logits, mb["response"]),
-        losses.entropy_from_logits(logits, mask),
-        stat_layers(st, "confidence"),
+        token_logp(logits, mb["response"], **sampling),
+        losses.entropy_from_logits(logits, mask),  # of the model's distribution (temperature 1, no nucleus)
+        response_confidence(st, mask, P),
       )
 
     self.score = jax.jit(score)
@@ -137,19 +171,23 @@ class Functions:
       )
     )
 
-    def actor_loss(params, router, mb):
+    def actor_loss(params, router, mb, kl_coef):
       logits, st = response_logits(args, {"params": params, "router": router}, mb, P)
-      logp = token_logp(logits, mb["response"])
+      logp = token_logp(logits, mb["response"], **sampling)
       loss, m = objective(rcfg, logp, mb)
-      if rcfg.kl_coef > 0:
+      if rcfg.kl_coef > 0:  # kl_coef: rl.kl_coef, or 0 before rl.kl_start (the KL is logged either way)
         kl = losses.unbiased_kl(logp, mb["logp_old"], mb["logp_ref"], mb["mask"])
-        loss = loss + rcfg.kl_coef * kl
-        m = {**m, "kl": kl}
-      return loss, {**mismatch_stats(rcfg, mb), **m, "confidence_train": stat_mean(st, "confidence")}
+        loss = loss + kl_coef * kl
+        m = {**m, "kl": kl, "kl_coef": kl_coef}
+      conf = response_confidence(st, mb["mask"], P)
+      conf = jnp.stack(list(conf.values())).mean() if conf else jnp.float32(jnp.nan)
+      return loss, {**mismatch_stats(rcfg, mb), **m, "confidence_train": conf}
 
-    def actor_step(state, mb):
-      (loss, m), g = jax.value_and_grad(actor_loss, has_aux=True)(state["params"], state["router"], mb)
-      params, opt, gnorm, skipped = sft.guarded_update(state, g, loss, actor_tx, freeze_mask)
+    def actor_step(state, mb, kl_coef=None):
+      """kl_coef: a float32 scalar (the run passes `kl_coef_at(rcfg, step)`); None = rl.kl_coef."""
+      kl_coef = jnp.asarray(rcfg.kl_coef if kl_coef is None else kl_coef, jnp.float32)
+      (loss, m), g = jax.value_and_grad(actor_loss, has_aux=True)(state["params"], state["router"], mb, kl_coef)
+      params, opt, gnorm, skipped = guarded_update(state, g, loss, actor_tx, freeze_mask)
       return {**state, "params": params, "opt": opt}, {
         **m,
         "actor_loss": loss,
@@ -165,8 +203,9 @@ class Functions:
 
     def critic_step(state, mb):
       (loss, _), g = jax.value_and_grad(critic_loss, has_aux=True)(state["params"], state["router"], mb)
-      params, opt, gnorm, skipped = sft.guarded_update(
-        state, g, loss, critic_tx, jax.tree.map(lambda _: 1.0, state["params"])
+      # the critic's router follows the actor's freeze switch (rl.freeze_router)
+      params, opt, gnorm, skipped = guarded_update(
+        state, g, loss, critic_tx, frozen_mask(state["params"], rcfg.get("freeze_router", True))
       )
       return {**state, "params": params, "opt": opt}, {
         "critic_loss": loss,
@@ -196,7 +235,7 @@ class Functions:
     jobs = {
       "score": (a["params"], a["router"], jb),
       "values": (c["params"], c["router"], jb),
-      "actor_step": (a, amb),
+      "actor_step": (a, amb, jnp.float32(0)),
       "critic_step": (c, cmb),
     }
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
@@ -252,19 +291,19 @@ def _run(config, workdir, log, mesh, rules):
   acc0 = sft_out["accuracy"]
   log(f"rl: SFT held-out accuracy {acc0['accuracy']:.3f}")
 
-  actor_tx = optimizer(rc, config.optim, rc.actor_lr, rc.actor_warmup)
-  critic_tx = optimizer(rc, config.optim, rc.critic_lr, rc.critic_warmup)
-  critic_vars = parallel.place_state(critic_from_actor(ref), args, mesh, rules)
+  actor_tx = make_optimizer(config.optim, warmup_constant(rc.actor_lr, rc.actor_warmup))
+  critic_tx = make_optimizer(config.optim, warmup_constant(rc.critic_lr, rc.critic_warmup))
+  critic_vars = state_lib.place_state(critic_from_actor(ref), args, mesh, rules)
   state = {
     "actor": {
       "params": ref["params"],
       "router": ref["router"],
-      "opt": parallel.init_opt_state(actor_tx, ref["params"], args, mesh, rules),
+      "opt": state_lib.init_opt_state(actor_tx, ref["params"], args, mesh, rules),
     },
     "critic": {
       "params": critic_vars["params"],
       "router": critic_vars["router"],
-      "opt": parallel.init_opt_state(critic_tx, critic_vars["params"], args, mesh, rules),
+      "opt": state_lib.init_opt_state(critic_tx, critic_vars["params"], args, mesh, rules),
     },
     "step": jnp.int32(0),
   }
@@ -283,7 +322,7 @@ def _run(config, workdir, log, mesh, rules):
   writer = MetricsWriter(rl_dir, "rl", resume_step=start if start else -1)  # a fresh start drops a stale log
   if not start:  # generation 0 = the SFT policy: the curves' first point
     writer.write(0, {f"eval/{k}": v for k, v in acc0.items()})
-  fns = Functions(args, rc, actor_tx, critic_tx, P, sft.frozen_mask(ref["params"], rc.freeze_router))
+  fns = Functions(args, rc, actor_tx, critic_tx, P, frozen_mask(ref["params"], rc.freeze_router))
   engine = RolloutEngine(
     config.model,
     max_prompt_len=P,
@@ -335,7 +374,7 @@ def _run(config, workdir, log, mesh, rules):
     clock.stop("score")
     am, cm = [], []
     for mb in minibatches(batch, rc.actor_minibatches, rng, mesh, rules):
-      state["actor"], m = fns.actor_step(state["actor"], mb)
+      state["actor"], m = fns.actor_step(state["actor"], mb, jnp.float32(kl_coef_at(rc, step)))
       am.append(m)
     clock.stop("actor", am)
     for mb in minibatches(batch, rc.critic_minibatches, rng, mesh, rules):
@@ -362,12 +401,12 @@ def _run(config, workdir, log, mesh, rules):
       skipped=float(sum(m["skipped"] for m in am) + sum(m["skipped"] for m in cm)),
       tokens_per_s=n_tok / (time.time() - t0),
     )
-    # per MoE layer: Sigma_k of the rollout engine and of the training engine's pass over the same samples
+    # per MoE layer: Sigma_k of the rollout engine and of the training engine's pass over the same response tokens
     metrics.update({f"confidence_rollout/{k}": float(v) for k, v in gen["routing_confidence_layers"].items()})
     metrics.update({f"confidence_score/{k}": float(v) for k, v in conf_score.items()})
     if metrics["skipped"]:
       log(f"rl: generation {step + 1}: {int(metrics['skipped'])} non-finite update(s) skipped")
-    if (step + 1) % rc.eval_every == 0 or step + 1 == rc.steps:
+    if due(step + 1, rc.eval_every, rc.steps):
       acc = evaluate.accuracy(
         config, {"params": state["actor"]["params"], "router": state["actor"]["router"]}, tok, eval_set
       )
@@ -377,7 +416,7 @@ def _run(config, workdir, log, mesh, rules):
     metrics.update(clock.seconds())
     writer.write(step + 1, metrics)
     prog.update(step + 1, metrics)
-    if (step + 1) % rc.checkpoint_every == 0 or step + 1 == rc.steps:
+    if due(step + 1, rc.checkpoint_every, rc.steps):
       ckpt.save(step + 1, state, {"data": data.get_state()}, force=True)
   writer.close()
   ckpt.wait()
@@ -411,8 +450,6 @@ def finish(config, workdir, acc0, acc, log):
     os.path.join(workdir, "rl.png"),
     title=f"RL ({config.rl.objective})",
   )
-  from stepflash_jax.train.metrics import read_jsonl
-
   rows = [r for r in read_jsonl(jsonl) if "reward" in r]
   gn = np.array([r["actor_grad_norm"] for r in rows if "actor_grad_norm" in r])
   summary = {

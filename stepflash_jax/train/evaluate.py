@@ -7,6 +7,7 @@ import jax
 
 from stepflash_jax.data import pad_prompts, tasks
 from stepflash_jax.data.pipeline import example_dataset
+from stepflash_jax.sampling import RolloutEngine
 
 
 def heldout_examples(config) -> list:
@@ -26,8 +27,6 @@ def accuracy(config, variables, tok, examples, engine=None) -> dict:
   """Greedy (temperature 0) completions of `examples` in batches of eval.batch_size, in the engine numerics
   eval.dtype, checked by their task's rule checker. An engine with the rollout's dtype, prompt width, length limit
   and batch size runs the rollout's compiled program (the sampling settings are traced inputs)."""
-  from stepflash_jax.rl.rollout import RolloutEngine
-
   e = config.eval
   engine = engine or RolloutEngine(
     config.model,

@@ -1,4 +1,4 @@
-"""Supervised fine-tuning (STEP35.md §2): next-token + MTP loss, Muon, warmup + cosine, frozen router.
+"""Supervised fine-tuning (docs/training.md §2): next-token + MTP loss, Muon, warmup + cosine, frozen router.
 
   loss = CE(main head, next token) + mtp_weight * mean_k CE(MTP module k, token t+k+2)     (all CE in fp32)
 
@@ -13,43 +13,16 @@ import os
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from stepflash_jax import model as model_lib
 from stepflash_jax import parallel
+from stepflash_jax.train import state as state_lib
 from stepflash_jax.data import future_targets, load_tokenizer, sft_dataset
 from stepflash_jax.model.moe import ep_balance_loss, update_router_bias
-from stepflash_jax.optim import muon
 from stepflash_jax.train import evaluate
 from stepflash_jax.train.checkpoint import Checkpointer
 from stepflash_jax.train.metrics import MetricsWriter, Progress, plot_metrics
-
-
-def lr_schedule(peak: float, total_steps: int, warmup_frac: float = 0.03, end_frac: float = 0.5):
-  """Linear warmup over warmup_frac of the steps, then cosine from peak to end_frac * peak (1e-5 -> 5e-6)."""
-  warmup = max(1, int(round(warmup_frac * total_steps)))
-  return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(total_steps, warmup + 1), end_frac * peak)
-
-
-def make_optimizer(ocfg, lr) -> optax.GradientTransformation:
-  """Muon (Polar Express, fp16) for matrices + AdamW for embeddings/heads/1-D params; grad clip by global norm."""
-  return muon(
-    lr,
-    method=ocfg.muon_method,
-    ortho_dtype=ocfg.ortho_dtype,
-    weight_decay=ocfg.weight_decay,
-    grad_clip_norm=ocfg.grad_clip,
-  )
-
-
-def frozen_mask(params, freeze_router: bool):
-  """1.0 for trainable leaves, 0.0 for the router weights when frozen (their update, incl. decay, is zeroed)."""
-
-  def m(path, _):
-    names = [getattr(p, "key", "") for p in path]
-    return 0.0 if (freeze_router and "router" in names) else 1.0
-
-  return jax.tree_util.tree_map_with_path(m, params)
+from stepflash_jax.train.step import due, frozen_mask, guarded_update, lr_schedule, make_optimizer
 
 
 def token_ce(logits, targets, mask):
@@ -85,18 +58,6 @@ def sft_loss(params, router, batch, args, mtp_weight: float, ep_coef: float = 0.
     metrics["ep_loss"] = ep_balance_loss(stats, ep_groups, args.top_k)
     total = total + ep_coef * metrics["ep_loss"]
   return total, (metrics, stats)
-
-
-def guarded_update(state, grads, loss, tx, mask):
-  """Apply tx unless the loss or a gradient is non-finite; returns (new params, new opt state, skipped)."""
-  gnorm = optax.global_norm(grads)
-  ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-  grads = jax.tree.map(lambda g: jnp.where(ok, g, 0.0), grads)
-  updates, opt = tx.update(grads, state["opt"], state["params"])
-  updates = jax.tree.map(lambda u, m: u * m, updates, mask)
-  params = optax.apply_updates(state["params"], updates)
-  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-  return keep(params, state["params"]), keep(opt, state["opt"]), gnorm, 1.0 - ok.astype(jnp.float32)
 
 
 def make_train_step(args, tx, tcfg, lr_fn, mask):
@@ -138,11 +99,11 @@ def _train(config, workdir, log, mesh, rules):
   it = iter(data)
   lr_fn = lr_schedule(config.optim.lr, t.steps, config.optim.warmup_frac, config.optim.end_lr_frac)
   tx = make_optimizer(config.optim, lr_fn)
-  variables = parallel.init_variables(args, jax.random.key(config.seed), mesh, rules)  # created sharded
+  variables = state_lib.init_variables(args, jax.random.key(config.seed), mesh, rules)  # created sharded
   state = {
     "params": variables["params"],
     "router": variables["router"],
-    "opt": parallel.init_opt_state(tx, variables["params"], args, mesh, rules),
+    "opt": state_lib.init_opt_state(tx, variables["params"], args, mesh, rules),
     "step": jnp.int32(0),
   }
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=t.keep_checkpoints)
@@ -165,12 +126,12 @@ def _train(config, workdir, log, mesh, rules):
     metrics = {k: float(v) for k, v in metrics.items()}
     if metrics["skipped"]:
       log(f"sft: step {step + 1} skipped (non-finite loss or gradient)")
-    if (step + 1) % t.eval_every == 0 or step + 1 == t.steps:
+    if due(step + 1, t.eval_every, t.steps):
       acc = evaluate.accuracy(config, {"params": state["params"], "router": state["router"]}, tok, eval_set)
       metrics.update({f"eval/{k}": v for k, v in acc.items()})
     writer.write(step + 1, metrics)
     prog.update(step + 1, metrics)
-    if (step + 1) % t.checkpoint_every == 0 or step + 1 == t.steps:
+    if due(step + 1, t.checkpoint_every, t.steps):
       ckpt.save(step + 1, state, {"data": it.get_state()}, force=True)
   writer.close()
   ckpt.wait()

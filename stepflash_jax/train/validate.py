@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 from stepflash_jax import config as model_config_lib
 from stepflash_jax.data import tasks
+from stepflash_jax.optim.muon import PE_SAFETY_SCHEDULES
+from stepflash_jax.parallel.mesh import check_rules, mesh_shape
+from stepflash_jax.sampling import ENGINE_DTYPES  # numerics of the rollout / eval engine
 
 OBJECTIVES = ("mispo", "ppo", "gspo", "tis")
-ENGINE_DTYPES = ("bfloat16", "float32")  # numerics of the rollout / eval engine (rl/rollout.py DTYPES)
 
 
 def _err(field, msg):
@@ -20,25 +20,6 @@ def _positive(c, section, names):
     v = c[section][n]
     if not (isinstance(v, (int, float)) and v > 0):
       _err(f"{section}.{n}", f"must be > 0, got {v!r}")
-
-
-def mesh_shape(mesh_cfg, num_devices: int) -> dict:
-  """Axis sizes of config.mesh with one -1 resolved to the remaining devices; error if they do not fit."""
-  axes = {k: int(mesh_cfg[k]) for k in ("data", "fsdp", "expert", "tensor")}
-  free = [k for k, v in axes.items() if v == -1]
-  if len(free) > 1:
-    _err(f"mesh.{free[1]}", "at most one mesh axis may be -1")
-  for k, v in axes.items():
-    if v == 0 or v < -1:
-      _err(f"mesh.{k}", f"must be a positive size or -1, got {v}")
-  known = math.prod(v for v in axes.values() if v != -1)
-  if free:
-    if num_devices % known:
-      _err(f"mesh.{free[0]}", f"cannot fill {num_devices} devices with the other axes' product {known}")
-    axes[free[0]] = num_devices // known
-  elif known != num_devices:
-    _err("mesh", f"axis sizes {axes} multiply to {known} but there are {num_devices} devices")
-  return axes
 
 
 def validate_run_config(c, num_devices: int | None = None) -> None:
@@ -60,6 +41,8 @@ def validate_run_config(c, num_devices: int | None = None) -> None:
     _err("optim.muon_method", f"unknown method {c.optim.muon_method!r}")
   if c.optim.ortho_dtype not in ("float16", "float32", "bfloat16"):
     _err("optim.ortho_dtype", f"unknown dtype {c.optim.ortho_dtype!r}")
+  if c.optim.get("pe_safety", "reference") not in PE_SAFETY_SCHEDULES:
+    _err("optim.pe_safety", f"must be one of {PE_SAFETY_SCHEDULES}, got {c.optim.pe_safety!r}")
   _positive(c, "train", ["steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"])
   if c.train.mtp_weight < 0:
     _err("train.mtp_weight", f"must be >= 0, got {c.train.mtp_weight}")
@@ -106,11 +89,14 @@ def validate_run_config(c, num_devices: int | None = None) -> None:
       _err("rl.top_p", f"must be in (0, 1], got {r.top_p}")
     if r.temperature <= 0:
       _err("rl.temperature", f"must be > 0, got {r.temperature}")
+    if r.get("normalizer", "valid") not in ("valid", "kept"):
+      _err("rl.normalizer", f"must be 'valid' or 'kept' (used by every objective), got {r.normalizer!r}")
+    kl_start = r.get("kl_start", 0)
+    if isinstance(kl_start, bool) or not isinstance(kl_start, int) or kl_start < 0:
+      _err("rl.kl_start", f"must be an integer generation index >= 0, got {kl_start!r}")
   if num_devices is not None:
     sizes = mesh_shape(c.mesh, num_devices)
     if c.model.num_experts % sizes["expert"]:
       _err("mesh.expert", f"{sizes['expert']} does not divide model.num_experts={c.model.num_experts}")
   if "rules" in c.mesh:
-    from stepflash_jax.parallel.mesh import check_rules
-
     check_rules(tuple(tuple(r) for r in c.mesh.rules))

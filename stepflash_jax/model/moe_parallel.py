@@ -36,27 +36,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from stepflash_jax import ops
-from stepflash_jax.model.mlp import clamped_swiglu
+from stepflash_jax.config import parse_expert_parallel
+from stepflash_jax.model.mlp import routed_experts
+from stepflash_jax.parallel.mesh import DEFAULT_RULES, resolve
 
-STRATEGIES = ("none", "auto", "gather", "a2a", "ragged")
 A2A_CAPACITY_FACTOR = 2.0
-
-
-def parse(mode: str | None) -> tuple[str, float | None]:
-  """'ragged:1.5' -> ('ragged', 1.5); None/'' -> ('none', None); ValueError for unknown strategies."""
-  mode = (mode or "none").strip()
-  name, _, cf = mode.partition(":")
-  if name not in STRATEGIES:
-    raise ValueError(f"expert_parallel must be one of {STRATEGIES} (optionally ':<capacity factor>'), got {mode!r}")
-  if cf:
-    try:
-      cf = float(cf)
-    except ValueError:
-      raise ValueError(f"expert_parallel capacity factor must be a number, got {mode!r}") from None
-    if cf <= 0:
-      raise ValueError(f"expert_parallel capacity factor must be > 0, got {mode!r}")
-  return name, (cf or None)
 
 
 def current_mesh():
@@ -68,13 +52,11 @@ def current_mesh():
 def active(mode: str | None) -> bool:
   """True if the MoE should take the shard_map path: a strategy is set and a multi-device mesh is in context."""
   mesh = current_mesh()
-  return parse(mode)[0] != "none" and mesh is not None and mesh.size > 1
+  return parse_expert_parallel(mode)[0] != "none" and mesh is not None and mesh.size > 1
 
 
 def _layout(mesh, E, H, F):
   """(token axes, EP axes, TP axes) from the active logical-axis rules (defaults if none are set)."""
-  from stepflash_jax.parallel.mesh import DEFAULT_RULES, resolve
-
   rules = nn.get_logical_axis_rules() or DEFAULT_RULES
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   tok = resolve(("batch",), rules)[0]
@@ -89,23 +71,6 @@ def _layout(mesh, E, H, F):
 # Local expert computation
 
 
-def _sort_by_expert(key, num_groups):
-  """key [M] int in [0, num_groups] (num_groups = no group) -> (order, group sizes [num_groups])."""
-  order = jnp.argsort(key, stable=True)
-  sizes = jnp.zeros((num_groups + 1,), jnp.int32).at[key].add(1)[:num_groups]
-  return order, sizes
-
-
-def _expert_rows(rows, key, wg, wu, wd, limit, implementation):
-  """rows [M, H] with local expert ids key [M] (E_loc = none) -> [M, H] (zeros for key == E_loc), rows.dtype."""
-  E_loc = wg.shape[0]
-  order, sizes = _sort_by_expert(key, E_loc)
-  xs = rows[order]
-  gmm = lambda a, w: ops.grouped_matmul(a, w, sizes, implementation=implementation)
-  h = clamped_swiglu(gmm(xs, wg), gmm(xs, wu), limit).astype(rows.dtype)
-  return jnp.zeros((rows.shape[0], wd.shape[2]), rows.dtype).at[order].set(gmm(h, wd))
-
-
 def _local_combine(x, chosen, weights, wg, wu, wd, limit, e0, implementation):
   """Tokens x [M, H] routed to global experts chosen [M, k]: fp32 [M, H] = sum over the chosen experts that live
   here (ids e0 .. e0 + E_loc - 1) of weight * expert output (partial over TP if F is split)."""
@@ -113,13 +78,9 @@ def _local_combine(x, chosen, weights, wg, wu, wd, limit, e0, implementation):
   E_loc = wg.shape[0]
   loc = chosen - e0
   valid = (loc >= 0) & (loc < E_loc)
-  key = jnp.where(valid, loc, E_loc).reshape(-1)
-  order, sizes = _sort_by_expert(key, E_loc)
-  rows = x[order // k]
-  gmm = lambda a, w: ops.grouped_matmul(a, w, sizes, implementation=implementation)
-  h = clamped_swiglu(gmm(rows, wg), gmm(rows, wu), limit).astype(x.dtype)
-  y = jnp.zeros((M * k, x.shape[1]), x.dtype).at[order].set(gmm(h, wd)).reshape(M, k, -1)
-  return jnp.einsum("mkh,mk->mh", y.astype(jnp.float32), jnp.where(valid, weights, 0.0))
+  slots = jnp.broadcast_to(x[:, None], (M, k, x.shape[1])).reshape(M * k, -1)
+  y = routed_experts(slots, jnp.where(valid, loc, E_loc).reshape(-1), wg, wu, wd, limit, implementation)
+  return jnp.einsum("mkh,mk->mh", y.reshape(M, k, -1).astype(jnp.float32), jnp.where(valid, weights, 0.0))
 
 
 def _counts(ids, n):
@@ -171,7 +132,7 @@ def _a2a(x, chosen, weights, wg, wu, wd, limit, *, axis, ep, capacity, tp_axes, 
   buf_e = jnp.full((ep, capacity), E_loc, jnp.int32).at[sdest, slot].set(flat[order] - sdest * E_loc, mode="drop")
   recv_x = lax.all_to_all(buf_x, axis, 0, 0)  # [src, C, H]
   recv_e = lax.all_to_all(buf_e, axis, 0, 0)
-  out = _expert_rows(recv_x.reshape(ep * capacity, H), recv_e.reshape(-1), wg, wu, wd, limit, implementation)
+  out = routed_experts(recv_x.reshape(ep * capacity, H), recv_e.reshape(-1), wg, wu, wd, limit, implementation)
   back = lax.all_to_all(out.reshape(ep, capacity, H), axis, 0, 0)  # [dest, C, H]
   ys = jnp.where(keep[:, None], back[sdest, jnp.minimum(slot, capacity - 1)], 0)
   y = jnp.zeros((n * k, H), x.dtype).at[order].set(ys).reshape(n, k, H)
@@ -217,7 +178,7 @@ def _ragged(x, chosen, weights, wg, wu, wd, limit, *, axis, ep, capacity, tp_axe
   ends = jnp.cumsum(jnp.where(overflow, 0, recv_counts).reshape(-1))  # (source, expert) segments of buf
   seg = jnp.searchsorted(ends, jnp.arange(capacity), side="right")
   key = jnp.where(seg < ep * E_loc, seg % E_loc, E_loc)
-  out = _expert_rows(buf, key, wg, wu, wd, limit, implementation)
+  out = routed_experts(buf, key, wg, wu, wd, limit, implementation)
   back_off = lax.all_to_all(in_off, axis, 0, 0, tiled=True)  # where each source wants its rows
   ys = a2a(out, jnp.zeros((n * k, H), x.dtype), recv_off, recv, back_off, send, axis_name=axis)
   y = jnp.zeros((n * k, H), x.dtype).at[order].set(ys).reshape(n, k, H)
@@ -246,7 +207,7 @@ def moe_experts(
   x [N, H], chosen [N, k] int32, weights [N, k] fp32, wg/wu [E, H, F], wd [E, F, H], limit: float or traced
   scalar (clamp, 0 = none) -> fp32 [N, H] = sum_j weights[:, j] * Expert_{chosen[:, j]}(x).
   """
-  name, cf = parse(mode)
+  name, cf = parse_expert_parallel(mode)
   mesh = current_mesh()
   if mesh is None:
     raise ValueError("moe_experts needs a mesh in context (parallel.use_mesh)")
@@ -277,60 +238,21 @@ def moe_experts(
 
   def body(x, chosen, weights, wg, wu, wd, lim):
     lim = static_limit if static_limit is not None else lim
-    gather = lambda: _gather(
-      x,
-      chosen,
-      weights,
-      wg,
-      wu,
-      wd,
-      lim,
-      ep_axes=ep_axes,
-      g_axes=g_axes,
-      rest_axes=rest,
-      tp_axes=tp_axes,
-      sizes=sizes,
-      implementation=implementation,
-    )
+    operands = (x, chosen, weights, wg, wu, wd, lim)
+    common = dict(tp_axes=tp_axes, implementation=implementation)
+    gather = lambda: _gather(*operands, ep_axes=ep_axes, g_axes=g_axes, rest_axes=rest, sizes=sizes, **common)
     if name == "gather" or ep == 1:
       return gather()
     E_loc = wg.shape[0]
     if name == "a2a":
       worst = n_loc * k  # all rows of a device to one peer
       cap = max(1, min(worst, math.ceil((cf or A2A_CAPACITY_FACTOR) * n_loc * k / ep)))
-      exchange = lambda: _a2a(
-        x,
-        chosen,
-        weights,
-        wg,
-        wu,
-        wd,
-        lim,
-        axis=ep_axes[0],
-        ep=ep,
-        capacity=cap,
-        tp_axes=tp_axes,
-        implementation=implementation,
-      )[0]
+      exchange = lambda: _a2a(*operands, axis=ep_axes[0], ep=ep, capacity=cap, **common)[0]
       load = jnp.max(_counts(chosen // E_loc, ep))  # rows this device sends to its busiest peer
     else:
       worst = n_loc * k * ep  # all rows of the EP group to one device
       cap = max(1, min(worst, math.ceil((cf or ep) * n_loc * k)))
-      exchange = lambda: _ragged(
-        x,
-        chosen,
-        weights,
-        wg,
-        wu,
-        wd,
-        lim,
-        axis=ep_axes[0],
-        ep=ep,
-        capacity=cap,
-        tp_axes=tp_axes,
-        implementation=implementation,
-        emulate=emulate_ragged,
-      )[0]
+      exchange = lambda: _ragged(*operands, axis=ep_axes[0], ep=ep, capacity=cap, emulate=emulate_ragged, **common)[0]
       load = jnp.sum(lax.all_to_all(_counts(chosen // E_loc, ep), ep_axes[0], 0, 0, tiled=True))  # rows received
     if cap >= worst:
       return exchange()  # cannot overflow: no fallback needed

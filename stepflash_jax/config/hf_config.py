@@ -1,0 +1,130 @@
+"""Hugging Face config.json <-> ConfigDict (the released checkpoint's field names)."""
+
+from __future__ import annotations
+
+import ml_collections
+
+from stepflash_jax.config.checks import validate
+from stepflash_jax.config.defaults import FULL, SWA, model_config
+
+
+def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
+  """Read the released Step3p5 `config.json` keys (48-entry per-layer lists, attention_other_setting, ...)."""
+
+  def need(k):
+    if k not in hf:
+      raise ValueError(f"config.json: missing key '{k}'")
+    return hf[k]
+
+  n_lists = len(need("layer_types"))
+  mtp = int(hf.get("num_nextn_predict_layers", 0))
+  L = int(need("num_hidden_layers"))
+  if L + mtp != n_lists and L == n_lists:  # some exports count the MTP layers in num_hidden_layers
+    L -= mtp
+  moe_layers = hf.get("moe_layers_enum")
+  if isinstance(moe_layers, str):
+    moe_layers = [int(x) for x in moe_layers.split(",") if x.strip()]
+  elif moe_layers is None:
+    moe_layers = []
+  other = hf.get("attention_other_setting") or {}
+
+  def per_layer(key, default):
+    v = hf.get(key, default)
+    return [float(x) for x in v] if isinstance(v, (list, tuple)) else [float(v)] * n_lists
+
+  scaling = hf.get("rope_scaling")
+  if scaling is not None:
+    scaling = dict(
+      rope_type=scaling.get("rope_type", scaling.get("type", "llama3")),
+      factor=float(scaling["factor"]),
+      original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+      low_freq_factor=float(scaling["low_freq_factor"]),
+      high_freq_factor=float(scaling["high_freq_factor"]),
+    )
+  c = model_config(
+    vocab_size=int(need("vocab_size")),
+    hidden_size=int(need("hidden_size")),
+    head_dim=int(hf.get("head_dim", need("hidden_size") // need("num_attention_heads"))),
+    num_layers=L,
+    num_mtp_layers=mtp,
+    num_heads=int(need("num_attention_heads")),
+    num_heads_swa=int(other.get("num_attention_heads", need("num_attention_heads"))),
+    num_kv_heads=int(need("num_attention_groups")),
+    sliding_window=int(hf.get("sliding_window") or 512),
+    layer_types=list(hf["layer_types"]),
+    rope_theta=per_layer("rope_theta", 10000.0),
+    partial_rotary_factors=per_layer("partial_rotary_factors", 1.0),
+    rope_scaling=scaling,
+    rope_scaling_layer_types=list(hf.get("yarn_only_types", [FULL])),
+    intermediate_size=int(need("intermediate_size")),
+    moe_layers=moe_layers,
+    num_experts=int(hf.get("moe_num_experts", 1)),
+    num_experts_per_tok=int(hf.get("moe_top_k", 1)),
+    moe_intermediate_size=int(hf.get("moe_intermediate_size", 1)),
+    shared_expert_intermediate_size=int(hf.get("share_expert_dim", hf.get("moe_intermediate_size", 1))),
+    routed_scaling_factor=float(hf.get("moe_router_scaling_factor", 1.0)),
+    norm_expert_weight=bool(hf.get("norm_expert_weight", True)),
+    swiglu_limits=per_layer("swiglu_limits", 0.0),
+    swiglu_limits_shared=per_layer("swiglu_limits_shared", 0.0),
+    rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+    max_position_embeddings=int(hf.get("max_position_embeddings", hf.get("max_seq_len", 262144))),
+  )
+  c.update({k: v for k, v in (hf.get("stepflash_jax") or {}).items() if k in _IMPL_KEYS})
+  validate(c)
+  return c
+
+
+_IMPL_KEYS = ("dtype", "attention_impl", "moe_impl", "scan_layers", "remat", "expert_parallel")
+
+
+def to_hf_config(c) -> dict:
+  """The inverse of `from_hf_config`, with the released file's key names."""
+  return {
+    "architectures": ["Step3p5ForCausalLM"],
+    "model_type": "step3p5",
+    "vocab_size": c.vocab_size,
+    "hidden_size": c.hidden_size,
+    "head_dim": c.head_dim,
+    "num_hidden_layers": c.num_layers,
+    "num_nextn_predict_layers": c.num_mtp_layers,
+    "num_attention_heads": c.num_heads,
+    "num_attention_groups": c.num_kv_heads,
+    "attention_other_setting": {
+      "attention_type": SWA,
+      "num_attention_heads": c.num_heads_swa,
+      "num_attention_groups": c.num_kv_heads,
+      "head_dim": c.head_dim,
+      "true_head_dim": c.head_dim,
+    },
+    "sliding_window": c.sliding_window,
+    "layer_types": list(c.layer_types),
+    "rope_theta": list(c.rope_theta),
+    "partial_rotary_factors": list(c.partial_rotary_factors),
+    "rope_scaling": None if c.rope_scaling is None else dict(c.rope_scaling),
+    "yarn_only_types": list(c.rope_scaling_layer_types),
+    "intermediate_size": c.intermediate_size,
+    "moe_layers_enum": ",".join(str(i) for i in c.moe_layers),
+    "use_moe": bool(len(c.moe_layers)),
+    "moe_num_experts": c.num_experts,
+    "moe_top_k": c.num_experts_per_tok,
+    "moe_intermediate_size": c.moe_intermediate_size,
+    "share_expert_dim": c.shared_expert_intermediate_size,
+    "moe_router_activation": "sigmoid",
+    "moe_router_scaling_factor": c.routed_scaling_factor,
+    "norm_expert_weight": c.norm_expert_weight,
+    "use_moe_router_bias": True,
+    "need_fp32_gate": True,
+    "swiglu_limits": list(c.swiglu_limits),
+    "swiglu_limits_shared": list(c.swiglu_limits_shared),
+    "use_head_wise_attn_gate": True,
+    "use_qk_norm": True,
+    "zero_centered": True,
+    "sink": False,
+    "tie_word_embeddings": False,
+    "rms_norm_eps": c.rms_norm_eps,
+    "max_position_embeddings": c.max_position_embeddings,
+    "max_seq_len": c.max_position_embeddings,
+    "torch_dtype": "bfloat16",
+    # Our implementation switches (ignored by other readers), so that load(save(x)) rebuilds the same tree.
+    "stepflash_jax": {k: c[k] for k in _IMPL_KEYS if k in c},
+  }
