@@ -162,5 +162,5 @@ def test_bad_inputs_raise(data):
     adv_mod.place_terminal_reward(np.ones(4, F32), mask)
   with pytest.raises(ValueError, match=r"final_values has shape \[3\], must match task_rewards \[4\]"):
     adv_mod.terminal_rewards(np.ones(4, F32), np.zeros(4, bool), np.ones(3, F32))
-  with pytest.raises(ValueError, match=r"truncated must be bool, integer or float32, is float64"):
-    adv_mod.terminal_rewards(np.ones(4, F32), np.zeros(4), mode="zero")
+  with pytest.raises(ValueError, match=r"truncated must be bool, integer or float32/float64, is float16"):
+    adv_mod.terminal_rewards(np.ones(4, F32), np.zeros(4, np.float16), mode="zero")
