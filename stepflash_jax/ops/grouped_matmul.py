@@ -11,8 +11,8 @@ Implementations (``implementation=``):
                with G * M. Each group's rows are moved (a gather) to a layout where every group starts on a tile
                boundary, so each of the W = (M + G * (tm - 1)) // tm tiles of tm rows belongs to one group; one
                batched einsum multiplies every tile by its group's rhs, and a second gather brings the rows back.
-               The row moves are permutations, so their gradients are gathers too (custom_vjp: no scatter-add),
-               and the rhs gradient sums the tiles of each group by a one-hot matmul.
+               The row moves are permutations, so their gradients are gathers too (custom_vjp: no scatter-add);
+               the rhs gather is plain autodiff (a custom_vjp there breaks shard_map's varying-axis types).
   "pallas"     pallas_kernels.grouped_matmul.gmm (Mosaic on TPU, Triton on GPU, interpreted on CPU).
   None         "pallas" on TPU, "xla" elsewhere (ops.common.resolve_implementation).
 (jax.lax.ragged_dot would be the obvious XLA choice, but on CPU it costs as much as running every group densely.)
@@ -64,25 +64,6 @@ def _take_rows_bwd(res, g):
 take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
-@jax.custom_vjp
-def _take_groups(w, group):
-  """w [G, K, N], group [W] int -> w[group] [W, K, N]; gradient: one-hot matmul over W (no scatter-add)."""
-  return w[group]
-
-
-def _take_groups_fwd(w, group):
-  return w[group], (group, w.shape[0])
-
-
-def _take_groups_bwd(res, g):
-  group, n = res
-  one_hot = jax.nn.one_hot(group, n, dtype=g.dtype)
-  return jnp.einsum("wg,w...->g...", one_hot, g, precision=jax.lax.Precision.HIGHEST), None
-
-
-_take_groups.defvjp(_take_groups_fwd, _take_groups_bwd)
-
-
 def tiled_grouped_matmul(lhs, rhs, group_sizes, *, tile_m=None):
   """Padded-tile grouped matmul in plain XLA (see module docstring)."""
   m, k = lhs.shape
@@ -109,7 +90,7 @@ def tiled_grouped_matmul(lhs, rhs, group_sizes, *, tile_m=None):
   dest = jnp.where(i < ends[-1], pstarts[ig] + i - starts[ig], rows)
 
   x = take_rows(lhs, src, dest).reshape(num_tiles, tm, k)
-  w = _take_groups(rhs, pg[::tm])  # [W, K, N]: the group of each tile
+  w = rhs[pg[::tm]]  # [W, K, N]: the group of each tile
   y = jnp.einsum("wmk,wkn->wmn", x, w, preferred_element_type=jnp.float32).astype(lhs.dtype)
   return take_rows(y.reshape(rows, n), dest, src)
 
