@@ -77,3 +77,10 @@ def routed_experts(rows, expert, wg, wu, wd, limit, implementation):
   gmm = lambda a, w: ops.grouped_matmul(a, w, sizes, implementation=implementation)
   h = clamped_swiglu(gmm(xs, wg), gmm(xs, wu), limit).astype(rows.dtype)
   return take_rows(gmm(h, wd), inverse, order)
+
+
+def expert_ffn(x, chosen, wg, wu, wd, limit, implementation):
+  """Routed experts for x [N, H], chosen [N, k] in [0, E] (E = none: 0) -> [N, k, H], each chosen expert's output."""
+  N, k = chosen.shape
+  slots = jnp.broadcast_to(x[:, None], (N, k, x.shape[1])).reshape(N * k, -1)
+  return routed_experts(slots, chosen.reshape(-1), wg, wu, wd, limit, implementation).reshape(N, k, -1)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from stepflash_jax.model import moe_parallel
-from stepflash_jax.model.mlp import MLP, Weight, routed_experts
+from stepflash_jax.model.mlp import MLP, Weight, expert_ffn
 
 
 def route(x, router_kernel, router_bias, top_k: int, scaling: float, renormalize: bool = True):
@@ -29,13 +29,6 @@ def route(x, router_kernel, router_bias, top_k: int, scaling: float, renormalize
   if renormalize:
     w = w / (jnp.sum(w, -1, keepdims=True) + 1e-20)
   return scores, chosen.astype(jnp.int32), w * scaling
-
-
-def expert_ffn(x, chosen, wg, wu, wd, limit, implementation):
-  """Routed experts for x [N, H], chosen [N, k] -> [N, k, H] (each token's output from each chosen expert)."""
-  N, k = chosen.shape
-  slots = jnp.broadcast_to(x[:, None], (N, k, x.shape[1])).reshape(N * k, -1)
-  return routed_experts(slots, chosen.reshape(-1), wg, wu, wd, limit, implementation).reshape(N, k, -1)
 
 
 def normalized_scores(scores):

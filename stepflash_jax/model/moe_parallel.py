@@ -37,7 +37,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from stepflash_jax.config import parse_expert_parallel
-from stepflash_jax.model.mlp import routed_experts
+from stepflash_jax.model.mlp import expert_ffn, routed_experts
 from stepflash_jax.parallel.mesh import DEFAULT_RULES, resolve
 
 A2A_CAPACITY_FACTOR = 2.0
@@ -74,13 +74,11 @@ def _layout(mesh, E, H, F):
 def _local_combine(x, chosen, weights, wg, wu, wd, limit, e0, implementation):
   """Tokens x [M, H] routed to global experts chosen [M, k]: fp32 [M, H] = sum over the chosen experts that live
   here (ids e0 .. e0 + E_loc - 1) of weight * expert output (partial over TP if F is split)."""
-  M, k = chosen.shape
   E_loc = wg.shape[0]
   loc = chosen - e0
   valid = (loc >= 0) & (loc < E_loc)
-  slots = jnp.broadcast_to(x[:, None], (M, k, x.shape[1])).reshape(M * k, -1)
-  y = routed_experts(slots, jnp.where(valid, loc, E_loc).reshape(-1), wg, wu, wd, limit, implementation)
-  return jnp.einsum("mkh,mk->mh", y.reshape(M, k, -1).astype(jnp.float32), jnp.where(valid, weights, 0.0))
+  y = expert_ffn(x, jnp.where(valid, loc, E_loc), wg, wu, wd, limit, implementation)  # E_loc: not here -> 0
+  return jnp.einsum("mkh,mk->mh", y.astype(jnp.float32), jnp.where(valid, weights, 0.0))
 
 
 def _counts(ids, n):

@@ -151,7 +151,8 @@ def mesh_specs(logical_tree, rules_, axis_sizes: dict | None = None, shapes_tree
 # Mesh
 
 
-def _err(field, msg):
+def config_error(field, msg):
+  """The one-line ValueError of run-config validation, naming the field."""
   raise ValueError(f"config field '{field}': {msg}")
 
 
@@ -160,17 +161,17 @@ def mesh_shape(mesh_cfg, num_devices: int) -> dict:
   axes = {k: int(mesh_cfg[k]) for k in ("data", "fsdp", "expert", "tensor")}
   free = [k for k, v in axes.items() if v == -1]
   if len(free) > 1:
-    _err(f"mesh.{free[1]}", "at most one mesh axis may be -1")
+    config_error(f"mesh.{free[1]}", "at most one mesh axis may be -1")
   for k, v in axes.items():
     if v == 0 or v < -1:
-      _err(f"mesh.{k}", f"must be a positive size or -1, got {v}")
+      config_error(f"mesh.{k}", f"must be a positive size or -1, got {v}")
   known = math.prod(v for v in axes.values() if v != -1)
   if free:
     if num_devices % known:
-      _err(f"mesh.{free[0]}", f"cannot fill {num_devices} devices with the other axes' product {known}")
+      config_error(f"mesh.{free[0]}", f"cannot fill {num_devices} devices with the other axes' product {known}")
     axes[free[0]] = num_devices // known
   elif known != num_devices:
-    _err("mesh", f"axis sizes {axes} multiply to {known} but there are {num_devices} devices")
+    config_error("mesh", f"axis sizes {axes} multiply to {known} but there are {num_devices} devices")
   return axes
 
 

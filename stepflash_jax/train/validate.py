@@ -6,13 +6,10 @@ from stepflash_jax import config as model_config_lib
 from stepflash_jax.data import tasks
 from stepflash_jax.optim.muon import PE_SAFETY_SCHEDULES
 from stepflash_jax.parallel.mesh import check_rules, mesh_shape
+from stepflash_jax.parallel.mesh import config_error as _err
 from stepflash_jax.sampling import ENGINE_DTYPES  # numerics of the rollout / eval engine
 
 OBJECTIVES = ("mispo", "ppo", "gspo", "tis")
-
-
-def _err(field, msg):
-  raise ValueError(f"config field '{field}': {msg}")
 
 
 def _positive(c, section, names):
