@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from stepflash_jax import model as model_lib
 from stepflash_jax.caches import enable_compile_cache
 from stepflash_jax.data import prompt_dataset
-from stepflash_jax.rl import losses, trainer
+from stepflash_jax.rl import batches, losses, programs, trainer
 from stepflash_jax.sampling import RolloutEngine
 from stepflash_jax.train import sft
 from stepflash_jax.train.metrics import summary_table
@@ -148,9 +148,9 @@ def _sequence_scorer(args, prompt_len, temperature=1.0, top_p=1.0):
 
   @jax.jit
   def score(variables, mb):
-    logits, _ = trainer.response_logits(args, variables, mb, prompt_len)
+    logits, _ = programs.response_logits(args, variables, mb, prompt_len)
     conf = jax.vmap(one, in_axes=(None, 0, 0, 0))(variables, mb["tokens"], mb["positions"], mb["segment_ids"])
-    return trainer.token_logp(logits, mb["response"], temperature, top_p), conf  # the rollout's distribution
+    return programs.token_logp(logits, mb["response"], temperature, top_p), conf  # the rollout's distribution
 
   return score
 
@@ -167,7 +167,7 @@ def _prompt_batches(config, tok, seed):
       seed=seed,
     )
   )
-  return [trainer.repeat_prompts(next(it), config.rl.samples_per_prompt) for _ in range(int(config.lab.probe_batches))]
+  return [batches.repeat_prompts(next(it), config.rl.samples_per_prompt) for _ in range(int(config.lab.probe_batches))]
 
 
 def _probe_samples(engine, variables, batches, score, seed) -> list[dict]:
@@ -175,7 +175,7 @@ def _probe_samples(engine, variables, batches, score, seed) -> list[dict]:
   parts = []
   for i, prompts in enumerate(batches):
     gen = engine.generate(variables, prompts["tokens"], prompts["lengths"], jax.random.key(seed + i))
-    batch = trainer.sequences(prompts, gen)
+    batch = batches.sequences(prompts, gen)
     logp_old, conf = score(variables, {k: jnp.asarray(v) for k, v in batch.items()})
     parts.append(
       dict(

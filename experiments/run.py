@@ -34,6 +34,9 @@ def default_workdir(config_path: str) -> str:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
+  from stepflash_jax.host import keep_freed_memory
+
+  keep_freed_memory()  # before JAX's first computation: no page faults on every step's buffers (stepflash_jax/host.py)
   import jax
 
   if _DISTRIBUTED.value:

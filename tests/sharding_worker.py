@@ -152,7 +152,7 @@ def _steps_on_meshes(args, rules, x, report):
   import jax.numpy as jnp
   import numpy as np
   from stepflash_jax import parallel
-  from stepflash_jax.rl import trainer
+  from stepflash_jax.rl import programs
   from stepflash_jax.train import sft
   from stepflash_jax.train import state as state_lib
 
@@ -162,7 +162,7 @@ def _steps_on_meshes(args, rules, x, report):
   def run_all(place, a=args):
     """SFT step, actor step, critic step; `place` puts a host pytree on the devices (identity on one device)."""
     step = sft.make_train_step(a, tx, tcfg, lambda s: 3e-3, mask)
-    fns = trainer.Functions(a, rcfg, tx, tx, P, mask)
+    fns = programs.Programs(a, rcfg, tx, tx, P, mask)
     out = {}
     out["sft"] = step(place(state, "state"), place(batch, "batch"))
     out["actor"] = fns.actor_step(

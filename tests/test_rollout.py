@@ -1,7 +1,7 @@
 """Rollout engine: cached decoding against the training forward, padding, EOS, MTP-3 speculative decoding.
 
 All engines use the tiny config, fp32 unless stated, batch 8, and FAST_COMPILE; compiled programs are shared through
-module fixtures (sampling knobs and eos/pad ids are traced inputs, so one program serves several engines).
+module fixtures (sampling settings and eos/pad ids are traced inputs, so one program serves several engines).
 """
 
 import jax

@@ -15,7 +15,7 @@ import stepflash_jax as sfj
 from stepflash_jax import model as M
 from stepflash_jax.train.step import frozen_mask, guarded_update, make_optimizer, warmup_constant
 from stepflash_jax.config import load_config_file
-from stepflash_jax.rl import losses, trainer
+from stepflash_jax.rl import batches, losses, programs
 from stepflash_jax.rl.critic import critic_from_actor, response_values
 from conftest import ROOT
 
@@ -41,7 +41,7 @@ def setup():
 
 def test_sequences_positions_and_segments(setup):
   _, _, _, prompts, gen, P, R = setup
-  b = trainer.sequences(prompts, gen)
+  b = batches.sequences(prompts, gen)
   assert b["tokens"].shape == (2, P + R)
   np.testing.assert_array_equal(b["positions"][0, P : P + 3], [4, 5, 6])  # continues after the 4 prompt tokens
   np.testing.assert_array_equal(b["positions"][1, P : P + 3], [6, 7, 8])
@@ -51,7 +51,7 @@ def test_sequences_positions_and_segments(setup):
 def test_critic_values_are_aligned_with_states(setup):
   """values[:, t] = V(s_t) = critic output at the column of the token before response token t."""
   cfg, args, v, prompts, gen, P, R = setup
-  b = trainer.sequences(prompts, gen)
+  b = batches.sequences(prompts, gen)
   cv = critic_from_actor(v)
   cv["params"]["value_head"]["kernel"] = jnp.ones_like(cv["params"]["value_head"]["kernel"])
   vals = response_values(args, cv, b["tokens"], b["positions"], b["segment_ids"], P)
@@ -68,8 +68,8 @@ def test_one_actor_and_critic_update(setup):
   tx_a = make_optimizer(cfg.optim, warmup_constant(1e-2, 1))
   tx_c = make_optimizer(cfg.optim, warmup_constant(1e-2, 1))
 
-  fns = trainer.Functions(args, rc, tx_a, tx_c, P, frozen_mask(v["params"], True))
-  b = trainer.sequences(prompts, gen)
+  fns = programs.Programs(args, rc, tx_a, tx_c, P, frozen_mask(v["params"], True))
+  b = batches.sequences(prompts, gen)
   jb = {k: jnp.asarray(x) for k, x in b.items()}
   logp_old, ent, conf = fns.score(v["params"], v["router"], jb)
   assert logp_old.shape == (2, R) and float(ent) > 0
@@ -121,9 +121,9 @@ def fp32_rollout(setup):
     compiler_options=FAST_COMPILE,
   )  # fmt: skip
   gen = jax.device_get(engine.generate(v, prompts["tokens"], prompts["lengths"], jax.random.key(1)))
-  b = trainer.sequences(prompts, gen)
+  b = batches.sequences(prompts, gen)
   jb = {k: jnp.asarray(x) for k, x in b.items()}
-  fns = trainer.Functions(args, rc, None, None, P, frozen_mask(v["params"], True))
+  fns = programs.Programs(args, rc, None, None, P, frozen_mask(v["params"], True))
   logp_old, _, conf = jax.device_get(fns.score(v["params"], v["router"], jb))
   return gen, b, logp_old, conf
 
@@ -134,14 +134,14 @@ def test_logp_old_matches_rollout_under_temperature_and_top_p(fp32_rollout):
   m = b["mask"] > 0
   assert m.sum() >= 8
   np.testing.assert_allclose(logp_old[m], gen["logp"][m], atol=1e-5)
-  lp1 = trainer.token_logp(jnp.zeros((1, 1, 4)), jnp.zeros((1, 1), jnp.int32))  # temperature 1, no nucleus
+  lp1 = programs.token_logp(jnp.zeros((1, 1, 4)), jnp.zeros((1, 1), jnp.int32))  # temperature 1, no nucleus
   np.testing.assert_allclose(lp1, np.log(0.25), rtol=1e-6)
 
 
 def test_token_logp_outside_the_nucleus_is_finite():
   """A token the nucleus excludes (possible when the two engines' nuclei differ) gets a finite log-prob and gradient."""
   logits = jnp.asarray([[[4.0, 3.0, 0.0, -1.0]]])
-  f = lambda x, t: trainer.token_logp(x, jnp.asarray([[t]]), 1.0, 0.5).sum()
+  f = lambda x, t: programs.token_logp(x, jnp.asarray([[t]]), 1.0, 0.5).sum()
   inside = float(f(logits, 0))  # nucleus {0}: log 1
   assert inside == pytest.approx(0.0, abs=1e-6)
   p = np.exp(logits[0, 0] - jax.nn.logsumexp(logits[0, 0]))
@@ -172,11 +172,11 @@ def test_normalizer_applies_to_every_objective(setup, objective, monkeypatch):
   lo[1] += 0.01  # trajectory 1 filtered by MIS
   mb = {"logp_old": lo, "logp_rollout": lr, "adv": rng.normal(0, 1, (4, 6)).astype(np.float32)}
   mb["mask"] = np.ones((4, 6), np.float32)
-  _, m = trainer.objective(rc, jnp.asarray(lo), {k: jnp.asarray(x) for k, x in mb.items()})
+  _, m = programs.objective(rc, jnp.asarray(lo), {k: jnp.asarray(x) for k, x in mb.items()})
   kept = 18.0 if objective in ("mispo", "gspo") else 24.0  # PPO / TIS filter nothing: "kept" = "valid"
   assert float(m["denominator"]) == kept
   rc.normalizer = "valid"
-  assert float(trainer.objective(rc, jnp.asarray(lo), mb)[1]["denominator"]) == 24.0
+  assert float(programs.objective(rc, jnp.asarray(lo), mb)[1]["denominator"]) == 24.0
   assert seen == ["kept", "valid"]  # the trainer passes rl.normalizer to every objective
 
 
@@ -184,9 +184,9 @@ def test_kl_start_schedule_and_validation(setup):
   from stepflash_jax.train.validate import validate_run_config
 
   cfg = setup[0].copy_and_resolve_references()
-  assert cfg.rl.kl_start == 0 and trainer.kl_coef_at(cfg.rl, 0) == cfg.rl.kl_coef  # default: always on
+  assert cfg.rl.kl_start == 0 and programs.kl_coef_at(cfg.rl, 0) == cfg.rl.kl_coef  # default: always on
   cfg.rl.kl_start = 3
-  assert [trainer.kl_coef_at(cfg.rl, s) for s in range(5)] == [0.0, 0.0, 0.0, cfg.rl.kl_coef, cfg.rl.kl_coef]
+  assert [programs.kl_coef_at(cfg.rl, s) for s in range(5)] == [0.0, 0.0, 0.0, cfg.rl.kl_coef, cfg.rl.kl_coef]
   validate_run_config(cfg)
   cfg.rl.kl_start = -1
   with pytest.raises(ValueError, match="rl.kl_start"):
@@ -223,7 +223,7 @@ def test_mismatch_stats_match_numpy(setup):
   lo[3, 5] = 50.0  # garbage under the mask
   got = {
     k: float(v)
-    for k, v in trainer.mismatch_stats(
+    for k, v in programs.mismatch_stats(
       rc, {"logp_old": jnp.asarray(lo), "logp_rollout": jnp.asarray(lr), "mask": jnp.asarray(mask)}
     ).items()
   }

@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from stepflash_jax.rl.losses import _fail, check_arrays
+from stepflash_jax.rl.checks import check_arrays, fail
 
 sg = jax.lax.stop_gradient
 
@@ -41,7 +41,7 @@ def value_after_last(values, mask):
   values[b, last_valid + 1] (values[b, 0] for rows without valid tokens). Stop-gradient."""
   fn = "value_after_last"
   if jnp.ndim(mask) != 2:
-    _fail(fn, "mask must be [B, T]", {"values": values, "mask": mask})
+    fail(fn, "mask must be [B, T]", {"values": values, "mask": mask})
   B, T = jnp.shape(mask)
   (values,) = check_arrays(
     fn, {"values": values}, masks=(), shape=(B, T + 1), expect="[B, T+1]", context={"mask": mask}

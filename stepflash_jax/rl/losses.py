@@ -29,67 +29,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from stepflash_jax.rl.checks import check_arrays, fail
+
 sg = jax.lax.stop_gradient
-
-
-# ----------------------------------------------------------------------------- validation helpers
-def _desc(x) -> str:
-  dtype = getattr(x, "dtype", None)
-  shape = getattr(x, "shape", None)
-  if dtype is None or shape is None:
-    x = jnp.asarray(x)
-    dtype, shape = x.dtype, x.shape
-  return f"{jnp.dtype(dtype).name}{list(shape)}"
-
-
-def _fail(fn: str, problem: str, arrays: dict):
-  got = ", ".join(f"{k} {_desc(v)}" for k, v in arrays.items())
-  raise ValueError(f"{fn}: {problem}. Got: {got}")
-
-
-def _is_mask_dtype(dtype) -> bool:
-  dtype = jnp.dtype(dtype)
-  return dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer) or dtype in (jnp.float32, jnp.float64)
-
-
-def _as_compute(x, dtype):
-  """float64 input -> float32 (float64 if jax x64 is enabled); other dtypes unchanged."""
-  if dtype == jnp.float64:
-    return jnp.asarray(x, jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
-  return jnp.asarray(x)
-
-
-def check_arrays(
-  fn: str, arrays: dict, *, ndim: int = 2, masks: tuple = ("mask",), shape=None, expect=None, context=None
-):
-  """Check that every array in ``arrays`` has rank ``ndim`` and one common shape (``shape`` if given, else
-  the first array's), float32 or float64 dtype, and for the names in ``masks`` bool/integer/float32/float64.
-  Raises ValueError naming the offending array and listing dtype[shape] of all arrays (plus ``context``, other
-  arguments of the call); ``expect`` describes the wanted shape, e.g. "[B, T+1]". Returns the arrays as jnp
-  arrays, in order; float64 ones (e.g. NumPy defaults) are computed in float32, or float64 when jax x64 is on.
-  Lower precisions (float16, bfloat16) are refused: they would silently lose the ratio's precision."""
-  shown = {**arrays, **(context or {})}
-  dtypes = []
-  ref_name = next(iter(arrays))
-  ref_shape = tuple(shape) if shape is not None else tuple(jnp.shape(arrays[ref_name]))
-  want = f" {expect}" if expect else ""
-  for name, x in arrays.items():
-    x_shape = tuple(jnp.shape(x))
-    if len(x_shape) != ndim:
-      _fail(fn, f"{name} must have rank {ndim}{want}, has shape {list(x_shape)}", shown)
-    if x_shape != ref_shape:
-      if shape is not None:
-        _fail(fn, f"shape mismatch: {name} has shape {list(x_shape)}, must be{want} = {list(ref_shape)}", shown)
-      _fail(fn, f"shape mismatch: {name} has shape {list(x_shape)}, must match {ref_name} {list(ref_shape)}", shown)
-    dtype = getattr(x, "dtype", None)
-    dtype = jnp.asarray(x).dtype if dtype is None else jnp.dtype(dtype)
-    if name in masks:
-      if not _is_mask_dtype(dtype):
-        _fail(fn, f"{name} must be bool, integer or float32/float64, is {dtype.name}", shown)
-    elif dtype not in (jnp.float32, jnp.float64):
-      _fail(fn, f"dtype mismatch: {name} is {dtype.name}, expected float32 (or float64)", shown)
-    dtypes.append(dtype)
-  return [_as_compute(x, d) for x, d in zip(arrays.values(), dtypes)]
 
 
 def _bounds(fn: str, name: str, bounds) -> tuple[float, float]:
@@ -421,7 +363,7 @@ def entropy_from_logits(logits, mask, per_token=False):
   fn = "entropy_from_logits"
   logits = jnp.asarray(logits)
   if logits.ndim != 3 or not jnp.issubdtype(logits.dtype, jnp.floating):
-    _fail(fn, "logits must be a floating [B, T, V] array", {"logits": logits, "mask": mask})
+    fail(fn, "logits must be a floating [B, T, V] array", {"logits": logits, "mask": mask})
   (mask,) = check_arrays(
     fn, {"mask": mask}, shape=logits.shape[:2], expect="[B, T] (logits [B, T, V])", context={"logits": logits}
   )

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from stepflash_jax.model.moe import chosen_mass, normalized_scores
-from stepflash_jax.rl.losses import _fail, check_arrays
+from stepflash_jax.rl.checks import check_arrays, fail
 
 SCORE_FNS = ("sigmoid", "softmax", "scores")
 
@@ -52,12 +52,12 @@ def routing_confidence(router_logits, topk_idx, mask, score_fn="sigmoid", per_to
   )
   L, B, T, E = router_logits.shape
   if jnp.ndim(topk_idx) != 4 or tuple(jnp.shape(topk_idx)[:3]) != (L, B, T):
-    _fail(fn, f"topk_idx must be [L, B, T, k] = [{L}, {B}, {T}, k]", shown)
+    fail(fn, f"topk_idx must be [L, B, T, k] = [{L}, {B}, {T}, k]", shown)
   topk_idx = jnp.asarray(topk_idx)
   if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
-    _fail(fn, f"topk_idx must be integer, is {topk_idx.dtype.name}", shown)
+    fail(fn, f"topk_idx must be integer, is {topk_idx.dtype.name}", shown)
   if not 1 <= topk_idx.shape[-1] <= E:
-    _fail(fn, f"topk_idx must choose 1 <= k <= E = {E} experts, has k = {topk_idx.shape[-1]}", shown)
+    fail(fn, f"topk_idx must choose 1 <= k <= E = {E} experts, has k = {topk_idx.shape[-1]}", shown)
   (mask,) = check_arrays(fn, {"mask": mask}, shape=(B, T), expect="[B, T]", context=shown)
   valid = mask != 0
   z = jnp.where(valid[None, :, :, None], router_logits, 0.0)  # garbage at masked tokens never matters

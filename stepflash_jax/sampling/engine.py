@@ -61,7 +61,7 @@ import numpy as np
 from stepflash_jax import model as M
 from stepflash_jax.model.cache import init_cache
 from stepflash_jax.sampling.calls import cast_variables, model_call
-from stepflash_jax.sampling.plain import Static, generate_plain
+from stepflash_jax.sampling.plain import Sampling, Shapes, generate_plain
 from stepflash_jax.sampling.speculative import generate_spec
 
 ENGINE_DTYPES = ("bfloat16", "float32")
@@ -70,7 +70,7 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled(st: Static, spec: bool, options: tuple):
+def _compiled(st: Shapes, spec: bool, options: tuple):
   gen = generate_spec if spec else generate_plain
   return jax.jit(functools.partial(gen, st), compiler_options=dict(options) or None)
 
@@ -93,7 +93,7 @@ class RolloutEngine:
   temperature 0 = greedy; top_p 1 = plain sampling; logit_noise = std of Gaussian noise added to the logits.
   spec_decode: MTP-K draft + verify (needs num_mtp_layers >= 1); same output distribution, fewer model calls.
   compiler_options: XLA options for jax.jit, e.g. FAST_COMPILE (tests, short CPU runs).
-  Engines that differ only in eos/pad ids and sampling knobs share one compiled program (they are traced inputs).
+  Engines that differ only in eos/pad ids and sampling settings share one compiled program (`plain.Sampling`: traced).
   """
 
   def __init__(
@@ -132,12 +132,13 @@ class RolloutEngine:
     self.max_prompt_len, self.max_new_tokens = int(max_prompt_len), int(max_new_tokens)
     self.eos_id, self.pad_id, self.dtype, self.spec_decode = int(eos_id), int(pad_id), dtype, bool(spec_decode)
     self.temperature, self.top_p, self.logit_noise = float(temperature), float(top_p), float(logit_noise)
-    self._static = Static(self.args, self.max_prompt_len, self.max_new_tokens)
+    self._shapes = Shapes(self.args, self.max_prompt_len, self.max_new_tokens)
     self._options = tuple(sorted((compiler_options or {}).items()))
 
   @property
-  def knobs(self):
-    return jnp.asarray([self.temperature, self.top_p, self.logit_noise], jnp.float32)
+  def sampling(self) -> Sampling:
+    f32, i32 = (lambda x: jnp.asarray(x, jnp.float32)), (lambda x: jnp.asarray(x, jnp.int32))
+    return Sampling(f32(self.temperature), f32(self.top_p), f32(self.logit_noise), i32(self.eos_id), i32(self.pad_id))
 
   def generate(self, variables, prompts, prompt_lens, rng) -> dict:
     """prompts int [B, P'] (P' <= max_prompt_len) left-padded with pad_id, prompt_lens int [B] -> output dict."""
@@ -156,9 +157,8 @@ class RolloutEngine:
     if ln is not None and (ln.min() < 1 or ln.max() > Pw):
       raise ValueError(f"prompt_lens must lie in [1, {Pw}] (prompts shape {prompts.shape}), got {ln.tolist()}")
     prompts = jnp.pad(prompts.astype(jnp.int32), ((0, 0), (self.max_prompt_len - Pw, 0)), constant_values=self.pad_id)
-    ids = jnp.asarray([self.eos_id, self.pad_id], jnp.int32)
-    return _compiled(self._static, self.spec_decode, self._options)(
-      variables, prompts, lens.astype(jnp.int32), self.knobs, ids, rng
+    return _compiled(self._shapes, self.spec_decode, self._options)(
+      variables, prompts, lens.astype(jnp.int32), self.sampling, rng
     )
 
   # Low-level pieces (tests, benchmarks): the exact cached call generate() uses, in the engine's dtype.

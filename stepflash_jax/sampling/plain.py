@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,16 +16,28 @@ from stepflash_jax.sampling.sample import draw, noisy, sampling_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
-class Static:
-  args: ModelArgs
-  P: int
-  N: int
+class Shapes:
+  """What a compiled generation program is specialised on (hashable: the jit cache key)."""
+
+  args: ModelArgs  # the model, in the engine's dtype
+  max_prompt_len: int  # P: prompts are left-padded to P columns
+  max_new_tokens: int  # N: response slots
+
+
+class Sampling(NamedTuple):
+  """Traced scalars of a generation (engines that differ only in these share one compiled program)."""
+
+  temperature: jax.Array  # float32; <= 0: greedy
+  top_p: jax.Array  # float32 in (0, 1]
+  noise: jax.Array  # float32: std of Gaussian noise added to the logits (mismatch lab)
+  eos_id: jax.Array  # int32
+  pad_id: jax.Array  # int32
 
 
 def prefill_inputs(st, lens):
   """-> pad [B], positions [B, P] (0 at a row's first real token; pad columns get 0 but segment 0), segments."""
-  col = jnp.arange(st.P)[None]
-  pad = st.P - lens
+  col = jnp.arange(st.max_prompt_len)[None]
+  pad = st.max_prompt_len - lens
   return pad, jnp.maximum(col - pad[:, None], 0), (col >= pad[:, None]).astype(jnp.int32)
 
 
@@ -52,11 +65,10 @@ def accumulate(total: dict, conf: dict, ntok):
   return {k: total[k] + conf[k] * ntok for k in total}
 
 
-def generate_plain(st: Static, variables, prompts, lens, knobs, ids, rng):
-  a, P, N = st.args, st.P, st.N
-  eos, pad_id = ids[0], ids[1]
+def generate_plain(st: Shapes, variables, prompts, lens, sampling: Sampling, rng):
+  a, P, N = st.args, st.max_prompt_len, st.max_new_tokens
+  temp, top_p, noise, eos, pad_id = sampling
   B = prompts.shape[0]
-  temp, top_p, noise = knobs[0], knobs[1], knobs[2]
   v = cast_variables(variables, a.dtype)
   _, pos, seg = prefill_inputs(st, lens)
   logits, _, cache, conf_p, _ = model_call(a, v, prompts, pos, seg, init_cache(a, B, P + N), 0)

@@ -8,7 +8,7 @@ from jax import lax
 
 from stepflash_jax.model.cache import init_cache
 from stepflash_jax.sampling.calls import cast_variables, model_call, mtp_call, rollback
-from stepflash_jax.sampling.plain import Static, accumulate, prefill_inputs, result
+from stepflash_jax.sampling.plain import Sampling, Shapes, accumulate, prefill_inputs, result
 from stepflash_jax.sampling.sample import draw, noisy, sampling_logprobs
 
 
@@ -85,14 +85,13 @@ def accept_drafts(lp, lq, drafts, greedy, key_accept, key_resample):
   return n, t_new, take(p_n, t_new[:, None])[:, 0], lp_d
 
 
-def _prefill(st: Static, v, prompts, lens, knobs, ids, rng, sampler):
+def _prefill(st: Shapes, v, prompts, lens, sampling: Sampling, rng, sampler):
   """Backbone over the prompt, first token from p, then the MTP chain over the prompt columns -> (loop state, left
   padding [B], routing confidence of the prefill)."""
-  a, P, N = st.args, st.P, st.N
-  eos, pad_id = ids[0], ids[1]
+  a, P, N = st.args, st.max_prompt_len, st.max_new_tokens
+  temp, top_p, noise, eos, pad_id = sampling
   K, B = len(a.mtp_layers), prompts.shape[0]
   C = P + N + K + 2
-  temp, top_p, noise = knobs[0], knobs[1], knobs[2]
   pad, pos, seg = prefill_inputs(st, lens)
   logits, hid, cache, conf_p, _ = model_call(a, v, prompts, pos, seg, init_cache(a, B, C, K), 0)
   mcache = init_cache(a, B, C, K + 1, mtp=True)["mtp"]
@@ -124,9 +123,9 @@ def _prefill(st: Static, v, prompts, lens, knobs, ids, rng, sampler):
   return state, pad, conf_p
 
 
-def _spec_result(st: Static, S, prompts, eos, pad_id, conf_p) -> dict:
+def _spec_result(st: Shapes, S, prompts, eos, pad_id, conf_p) -> dict:
   """The engine's output dict from the final loop state (plus accept_rate, tokens_per_call, num_steps)."""
-  P, N, B = st.P, st.N, prompts.shape[0]
+  P, N, B = st.max_prompt_len, st.max_new_tokens, prompts.shape[0]
   resp = S["toks"][:, P : P + N]
   mask = (jnp.arange(N)[None] < S["g"][:, None]).astype(jnp.float32)
   out = result(
@@ -140,14 +139,13 @@ def _spec_result(st: Static, S, prompts, eos, pad_id, conf_p) -> dict:
   return out
 
 
-def generate_spec(st: Static, variables, prompts, lens, knobs, ids, rng):
+def generate_spec(st: Shapes, variables, prompts, lens, sampling: Sampling, rng):
   """MTP-K speculative generation (engine.py docstring): prefill, then a while_loop of verify + draft steps."""
-  a, P, N = st.args, st.P, st.N
-  eos, pad_id = ids[0], ids[1]
+  a, P, N = st.args, st.max_prompt_len, st.max_new_tokens
+  temp, top_p, noise, eos, pad_id = sampling
   K = len(a.mtp_layers)
   B = prompts.shape[0]
   C = P + N + K + 2  # columns: every verify/draft write stays below C
-  temp, top_p, noise = knobs[0], knobs[1], knobs[2]
   greedy = temp <= 0
   v = cast_variables(variables, a.dtype)
   rows = jnp.arange(B)[:, None]
@@ -160,7 +158,7 @@ def generate_spec(st: Static, variables, prompts, lens, knobs, ids, rng):
 
     return sample
 
-  state, pad, conf_p = _prefill(st, v, prompts, lens, knobs, ids, rng, sampler)
+  state, pad, conf_p = _prefill(st, v, prompts, lens, sampling, rng, sampler)
 
   def body(S):
     active, s, drafts, lq = ~S["done"], S["s"], S["drafts"], S["lq"]

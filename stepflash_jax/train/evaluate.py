@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import jax
 
+from stepflash_jax import parallel
 from stepflash_jax.data import pad_prompts, tasks
 from stepflash_jax.data.pipeline import example_dataset
 from stepflash_jax.sampling import RolloutEngine
@@ -37,19 +38,24 @@ def accuracy(config, variables, tok, examples, engine=None) -> dict:
     dtype=e.get("dtype", "float32"),
     temperature=0.0,
   )
-  correct, truncated, by_family = [], [], {}
-  for i in range(0, len(examples), e.batch_size):
-    chunk = examples[i : i + e.batch_size]
-    n = len(chunk)
-    chunk = chunk + [chunk[-1]] * (e.batch_size - n)  # fixed batch shape: one compilation
+  chunks = [examples[i : i + e.batch_size] for i in range(0, len(examples), e.batch_size)]
+
+  def greedy(chunk):  # fixed batch shape (the last chunk padded with copies): one compilation
+    chunk = chunk + [chunk[-1]] * (e.batch_size - len(chunk))
     p = pad_prompts([tok.format_prompt(x["prompt"]) for x in chunk], config.data.max_prompt_len, pad_id=tok.pad_id)
-    out = engine.generate(variables, p["tokens"], p["lengths"], jax.random.key(0))
+    return engine.generate(variables, p["tokens"], p["lengths"], jax.random.key(0))
+
+  # the first batch alone (it may compile the program), then two at a time: on a small CPU much of a decode step
+  # runs on one thread (parallel/threads.py)
+  outs = [greedy(chunks[0])] + parallel.thread_map(greedy, chunks[1:])
+  correct, truncated, by_family = [], [], {}
+  for chunk, out in zip(chunks, outs):
     resp, trunc = np.asarray(out["response"]), np.asarray(out["truncated"])
-    for b in range(n):
-      ok = tasks.check(chunk[b], tok.decode(resp[b], stop_at_eos=True))
+    for b, ex in enumerate(chunk):
+      ok = tasks.check(ex, tok.decode(resp[b], stop_at_eos=True))
       correct.append(ok)
       truncated.append(bool(trunc[b]))
-      by_family.setdefault(chunk[b]["family"], []).append(ok)
+      by_family.setdefault(ex["family"], []).append(ok)
   out = {"accuracy": float(np.mean(correct)), "truncated": float(np.mean(truncated))}
   out.update({f"accuracy_{f}": float(np.mean(v)) for f, v in by_family.items()})
   return out

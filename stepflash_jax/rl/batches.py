@@ -1,0 +1,37 @@
+"""Host-side batches of a generation: prompts repeated per sample, full training sequences from the rollout engine's
+output, and the shuffled mini-batches of the update epoch."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from stepflash_jax import parallel
+
+
+def sequences(prompts, gen):
+  """Prompt batch + engine output -> full sequences with positions and segment ids for the training engine."""
+  R = gen["response"].shape[1]
+  mask = np.asarray(gen["response_mask"], np.float32)
+  pos_r = prompts["lengths"][:, None] + np.arange(R)[None]
+  return {
+    "tokens": np.concatenate([prompts["tokens"], np.asarray(gen["response"])], 1).astype(np.int32),
+    "positions": np.concatenate([prompts["positions"], pos_r], 1).astype(np.int32),
+    "segment_ids": np.concatenate([prompts["segment_ids"], mask.astype(np.int32)], 1),
+    "response": np.asarray(gen["response"], np.int32),
+    "mask": mask,
+    "logp_rollout": np.asarray(gen["logp"], np.float32),
+  }
+
+
+def repeat_prompts(batch, n):
+  """Each prompt row (and its example) repeated n times in a row: [P rows] -> [P * n rows]."""
+  out = {k: np.repeat(v, n, axis=0) for k, v in batch.items() if k != "examples"}
+  out["examples"] = [ex for ex in batch["examples"] for _ in range(n)]
+  return out
+
+
+def minibatches(batch, n, rng, mesh, rules):
+  """`n` mini-batches of a generation's rows, one random permutation split evenly (placed on the mesh)."""
+  perm = rng.permutation(len(batch["mask"]))
+  for idx in np.array_split(perm, n):
+    yield parallel.shard_batch({k: v[idx] for k, v in batch.items()}, mesh, rules, global_batch=True)

@@ -1,0 +1,223 @@
+"""The compiled programs of one RL generation (docs/rl.md §1): scoring (logp_old / logp_ref, entropy, routing
+confidence), values, advantages, mismatch statistics, and the actor and critic mini-batch updates.
+
+All log-probs are taken under the rollout's sampling distribution (rl.temperature, rl.top_p: `token_logp`) in the
+training engine's numerics (float32), so pi / pi_old and pi_old / pi_vllm compare one distribution.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stepflash_jax import model as model_lib
+from stepflash_jax import parallel
+from stepflash_jax.model.moe import stat_layers
+from stepflash_jax.rl import advantages as adv_lib
+from stepflash_jax.rl import losses
+from stepflash_jax.rl.batches import minibatches
+from stepflash_jax.rl.critic import response_values
+from stepflash_jax.sampling import sampling_logprobs
+from stepflash_jax.train.step import frozen_mask, guarded_update
+
+
+def objective(rcfg, logp, mb):
+  """The configured actor loss on a mini-batch (all [n, R] float32); rl.normalizer ("valid" | "kept") applies to
+  every objective (PPO and TIS filter nothing: for them "kept" = "valid")."""
+  o, norm = rcfg.objective, rcfg.normalizer
+  if o == "mispo":
+    return losses.mispo_loss(
+      logp,
+      mb["logp_old"],
+      mb["logp_rollout"],
+      mb["adv"],
+      mb["mask"],
+      tuple(rcfg.token_bounds),
+      tuple(rcfg.traj_bounds),
+      normalizer=norm,
+    )
+  if o == "ppo":
+    return losses.ppo_loss(logp, mb["logp_old"], mb["adv"], mb["mask"], clip_eps=rcfg.ppo_clip, normalizer=norm)
+  if o == "gspo":
+    return losses.gspo_loss(
+      logp,
+      mb["logp_old"],
+      mb["logp_rollout"],
+      mb["adv"],
+      mb["mask"],
+      clip_eps=rcfg.gspo_clip,
+      token_bounds=tuple(rcfg.token_bounds),
+      traj_bounds=tuple(rcfg.traj_bounds),
+      normalizer=norm,
+    )
+  return losses.tis_loss(
+    logp, mb["logp_old"], mb["logp_rollout"], mb["adv"], mb["mask"], cap=rcfg.tis_cap, normalizer=norm
+  )
+
+
+def mismatch_stats(rcfg, mb) -> dict:
+  """Train/inference mismatch of a mini-batch, logged for every objective (PPO and TIS ignore pi_vllm; for them the
+  MIS fractions say what MIS-PO would keep): |log pi_old - log pi_vllm| mean / max over valid tokens, mean
+  |log rho| over non-empty responses, MIS token / trajectory / joint keep fractions. All constants of the update."""
+  keep, info = losses.mis_mask(
+    mb["logp_old"], mb["logp_rollout"], mb["mask"], tuple(rcfg.token_bounds), tuple(rcfg.traj_bounds)
+  )
+  n, n_seq = jnp.maximum(info["valid"].sum(), 1), jnp.maximum(info["nonempty"].sum(), 1)
+  ad = jnp.abs(info["log_x"])
+  return {
+    "logp_abs_diff_mean": ad.sum() / n,
+    "logp_abs_diff_max": ad.max(),
+    "log_rho_abs_mean": jnp.abs(info["log_rho"]).sum() / n_seq,
+    "mis_token_keep_frac": info["token_ok"].sum() / n,
+    "mis_traj_keep_frac": info["traj_ok"].sum() / n_seq,
+    "mis_kept_frac": keep.sum() / n,
+  }
+
+
+def response_logits(args, variables, mb, prompt_len):
+  """Training-engine logits predicting each response token: [n, R, V] (fp32), and the MoE stats."""
+  out, st = model_lib.apply(
+    args, variables, mb["tokens"], positions=mb["positions"], segment_ids=mb["segment_ids"], stats=True
+  )
+  R = mb["tokens"].shape[1] - prompt_len
+  return out["logits"][:, prompt_len - 1 : prompt_len - 1 + R], st
+
+
+def token_logp(logits, tokens, temperature=1.0, top_p=1.0):
+  """log-prob [n, R] of each sampled token under the rollout's sampling distribution: softmax(logits / temperature)
+  restricted to the top-p nucleus, renormalised (`sampling_logprobs`, what the rollout engine records). logp_old,
+  logp_ref and the actor's logp all use it, so pi/pi_old and pi_old/pi_vllm compare one distribution and the MIS
+  filters see engine mismatch only. A token outside this engine's nucleus (the rollout's nucleus, other numerics,
+  kept it; or the actor moved it out) is scored as if the nucleus were widened to include it, log p(a) - log(M +
+  p(a)) with M the nucleus mass: finite (far from pi_vllm, so MIS filters it) where -inf would make the loss
+  non-finite. temperature 1, top_p 1: plain log-softmax."""
+  tok = lambda lp: jnp.take_along_axis(lp, tokens[..., None], -1)[..., 0]
+  lp_t = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, -1)
+  if top_p >= 1.0:
+    return tok(lp_t)
+  lp_s = sampling_logprobs(logits, temperature, top_p)
+  a_t, a_s = tok(lp_t), tok(lp_s)
+  log_mass = jnp.max(lp_t, -1) - jnp.max(lp_s, -1)  # log nucleus mass (the most likely token is always inside)
+  return jnp.where(jnp.isfinite(a_s), a_s, a_t - jnp.logaddexp(log_mass, a_t))
+
+
+def fed_mask(mask):
+  """Response tokens the rollout engine fed back through the model [n, R]: every valid token but a row's last
+  (that one is sampled, never fed). Its routing confidence is what `routing_confidence` of the rollout averages."""
+  return mask * jnp.pad(mask[:, 1:], ((0, 0), (0, 1)))
+
+
+def response_confidence(stats, mask, prompt_len):
+  """{MoE layer: Sigma_k} of a training-engine pass averaged over the same response tokens as the rollout's
+  (`fed_mask`), token-weighted over the batch; prompt tokens are left out as in the rollout's decode average."""
+  fed = fed_mask(mask)
+  R, n = fed.shape[1], jnp.maximum(fed.sum(), 1.0)
+
+  def reduce(path, x):
+    if "confidence_per_token" not in [str(getattr(k, "key", "")) for k in path]:
+      return x
+    return (x[..., prompt_len : prompt_len + R] * fed).sum((-2, -1)) / n  # [B, T] or [blocks, B, T]
+
+  return stat_layers(jax.tree_util.tree_map_with_path(reduce, stats), "confidence_per_token")
+
+
+def kl_coef_at(rcfg, step: int) -> float:
+  """The KL coefficient for the updates of generation `step` (0-based): rl.kl_coef from rl.kl_start on, else 0."""
+  return float(rcfg.kl_coef) if step >= rcfg.get("kl_start", 0) else 0.0
+
+
+class Programs:
+  """The jitted pieces of a generation, compiled once per (model, config)."""
+
+  def __init__(self, args, rcfg, actor_tx, critic_tx, prompt_len, freeze_mask):
+    P = prompt_len
+    sampling = dict(temperature=rcfg.get("temperature", 1.0), top_p=rcfg.get("top_p", 1.0))
+
+    def score(params, router, mb):
+      logits, st = response_logits(args, {"params": params, "router": router}, mb, P)
+      mask = mb["mask"]
+      return (
+        token_logp(logits, mb["response"], **sampling),
+        losses.entropy_from_logits(logits, mask),  # of the model's distribution (temperature 1, no nucleus)
+        response_confidence(st, mask, P),
+      )
+
+    self.score = jax.jit(score)
+    self.values = jax.jit(
+      lambda cp, router, mb: response_values(
+        args, {"params": cp, "router": router}, mb["tokens"], mb["positions"], mb["segment_ids"], P
+      )
+    )
+
+    def actor_loss(params, router, mb, kl_coef):
+      logits, st = response_logits(args, {"params": params, "router": router}, mb, P)
+      logp = token_logp(logits, mb["response"], **sampling)
+      loss, m = objective(rcfg, logp, mb)
+      if rcfg.kl_coef > 0:  # kl_coef: rl.kl_coef, or 0 before rl.kl_start (the KL is logged either way)
+        kl = losses.unbiased_kl(logp, mb["logp_old"], mb["logp_ref"], mb["mask"])
+        loss = loss + kl_coef * kl
+        m = {**m, "kl": kl, "kl_coef": kl_coef}
+      conf = response_confidence(st, mb["mask"], P)
+      conf = jnp.stack(list(conf.values())).mean() if conf else jnp.float32(jnp.nan)
+      return loss, {**m, "confidence_train": conf}
+
+    def actor_step(state, mb, kl_coef=None):
+      """kl_coef: a float32 scalar (the run passes `kl_coef_at(rcfg, step)`); None = rl.kl_coef."""
+      kl_coef = jnp.asarray(rcfg.kl_coef if kl_coef is None else kl_coef, jnp.float32)
+      (loss, m), g = jax.value_and_grad(actor_loss, has_aux=True)(state["params"], state["router"], mb, kl_coef)
+      params, opt, gnorm, skipped = guarded_update(state, g, loss, actor_tx, freeze_mask)
+      return {**state, "params": params, "opt": opt}, {
+        **m,
+        "actor_loss": loss,
+        "actor_grad_norm": gnorm,
+        "skipped": skipped,
+      }
+
+    self.actor_step = jax.jit(actor_step)
+
+    def critic_loss(cp, router, mb):
+      v = response_values(args, {"params": cp, "router": router}, mb["tokens"], mb["positions"], mb["segment_ids"], P)
+      return losses.value_loss(v[:, :-1], mb["returns"], mb["mask"])
+
+    def critic_step(state, mb):
+      (loss, _), g = jax.value_and_grad(critic_loss, has_aux=True)(state["params"], state["router"], mb)
+      # the critic's router follows the actor's freeze switch (rl.freeze_router)
+      params, opt, gnorm, skipped = guarded_update(
+        state, g, loss, critic_tx, frozen_mask(state["params"], rcfg.get("freeze_router", True))
+      )
+      return {**state, "params": params, "opt": opt}, {
+        "critic_loss": loss,
+        "critic_grad_norm": gnorm,
+        "skipped": skipped,
+      }
+
+    self.critic_step = jax.jit(critic_step)
+
+    def advantages(values, mask, task_reward, truncated):
+      final = adv_lib.value_after_last(values, mask)
+      term = adv_lib.terminal_rewards(task_reward, truncated, final, mode=rcfg.truncation)
+      r = adv_lib.place_terminal_reward(term, mask)
+      return adv_lib.gae_advantages(r, values, mask, rcfg.gamma, rcfg.lam)
+
+    self.advantages = jax.jit(advantages)
+    self.mismatch = jax.jit(lambda mb: mismatch_stats(rcfg, mb))
+
+  def compile(self, state, batch, minibatch_counts, mesh, rules):
+    """Compile the generation's four big programs concurrently, one per thread, then call the compiled executables
+    (tracing, lowering and parts of XLA's compilation are single-threaded: measured on 2 cores, 95 s instead of
+    ~113 s one after the other). `batch` is a generation as `sequences` returns it; only its shapes are used."""
+    n, R = batch["mask"].shape
+    full = {**batch, **{k: np.zeros((n, R), np.float32) for k in ("logp_old", "logp_ref", "adv", "returns")}}
+    jb = parallel.shard_batch(batch, mesh, rules, global_batch=True)
+    amb, cmb = (next(minibatches(full, m, np.random.default_rng(0), mesh, rules)) for m in minibatch_counts)
+    a, c = state["actor"], state["critic"]
+    jobs = {
+      "score": (a["params"], a["router"], jb),
+      "values": (c["params"], c["router"], jb),
+      "actor_step": (a, amb, jnp.float32(0)),
+      "critic_step": (c, cmb),
+    }
+    compiled = parallel.concurrently(**{k: lambda k=k: getattr(self, k).lower(*jobs[k]).compile() for k in jobs})
+    for k, fn in compiled.items():
+      setattr(self, k, fn)
