@@ -62,6 +62,22 @@ def init_state(config, ref, args, mesh, rules):
   return state, actor_tx, critic_tx
 
 
+def rollout_engine(config, tok) -> RolloutEngine:
+  """The inference engine of the rollouts: rl.rollout_dtype numerics, rl.temperature / top_p / logit_noise."""
+  rc = config.rl
+  return RolloutEngine(
+    config.model,
+    max_prompt_len=config.data.max_prompt_len,
+    max_new_tokens=rc.max_new_tokens,
+    eos_id=tok.eos_id,
+    pad_id=tok.pad_id,
+    dtype=rc.rollout_dtype,
+    temperature=rc.temperature,
+    top_p=rc.top_p,
+    logit_noise=rc.logit_noise,
+  )
+
+
 def _run(config, workdir, log, mesh, rules):
   rc = config.rl
   # The SFT stage: trained here on the first run, resumed/reused afterwards; rl.sft_workdir points several RL runs
@@ -70,14 +86,13 @@ def _run(config, workdir, log, mesh, rules):
   tok, ref, acc0 = sft_out["tokenizer"], sft_out["variables"], sft_out["accuracy"]
   ref = {"params": ref["params"], "router": ref["router"]}
   args = model_lib.as_args(config.model)
-  P, R = config.data.max_prompt_len, rc.max_new_tokens
+  P = config.data.max_prompt_len
   eval_set = evaluate.heldout_examples(config)
   log(f"rl: SFT held-out accuracy {acc0['accuracy']:.3f}")
   state, actor_tx, critic_tx = init_state(config, ref, args, mesh, rules)
+  mixture = config.data.mixture
   data = iter(
-    prompt_dataset(
-      tok, batch_size=rc.prompts_per_step, max_prompt_len=P, mixture=config.data.mixture, seed=config.seed + 1
-    )
+    prompt_dataset(tok, batch_size=rc.prompts_per_step, max_prompt_len=P, mixture=mixture, seed=config.seed + 1)
   )
   rl_dir = os.path.join(workdir, "rl")
   ckpt = Checkpointer(os.path.join(rl_dir, "checkpoints"), max_to_keep=config.train.keep_checkpoints)
@@ -90,17 +105,7 @@ def _run(config, workdir, log, mesh, rules):
   if not start:  # generation 0 = the SFT policy: the curves' first point
     writer.write(0, {f"eval/{k}": v for k, v in acc0.items()})
   fns = Programs(args, rc, actor_tx, critic_tx, P, frozen_mask(ref["params"], rc.freeze_router))
-  engine = RolloutEngine(
-    config.model,
-    max_prompt_len=P,
-    max_new_tokens=R,
-    eos_id=tok.eos_id,
-    pad_id=tok.pad_id,
-    dtype=rc.rollout_dtype,
-    temperature=rc.temperature,
-    top_p=rc.top_p,
-    logit_noise=rc.logit_noise,
-  )
+  engine = rollout_engine(config, tok)
   stale = collections.deque(maxlen=rc.staleness + 1)  # rollout policy = actor of `staleness` steps ago
   prog = Progress(
     rc.steps,
