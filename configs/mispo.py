@@ -1,9 +1,9 @@
 """The main job: SFT of the tiny Step 3.5 Flash, then RL with MIS-PO and a critic (docs/rl.md, toy scale).
 
-  python experiments/run.py --config=configs/mispo.py            # 38 min on 2 cores (Xeon @ 2.00GHz), runs/mispo
+  python experiments/run.py --config=configs/mispo.py            # 34 min on 2 cores (Xeon @ 2.00GHz), runs/mispo
   python experiments/run.py --config=configs/mispo.py:small      # ~3 minute smoke run of every stage
 configs/ppo.py and configs/gspo.py are this file with another objective (same budget, same seeds).
-Measured 2026-12-01 (cold caches): held-out exact match (1344 problems) 0.563 after SFT -> 0.632 after RL (+6.8);
+Measured 2026-12-01 (cold caches): held-out exact match (1344 problems) 0.574 after SFT -> 0.588 after RL (+1.3);
 time, gain and their spread across machines and seeds: README, "The main job: time and variability".
 """
 

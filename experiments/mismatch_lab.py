@@ -37,7 +37,8 @@ import jax.numpy as jnp
 from stepflash_jax import model as model_lib
 from stepflash_jax.caches import enable_compile_cache
 from stepflash_jax.data import prompt_dataset
-from stepflash_jax.rl import batches, losses, programs, trainer
+from stepflash_jax.rl import losses, programs, trainer
+from stepflash_jax.rl.batches import repeat_prompts, sequences
 from stepflash_jax.sampling import RolloutEngine
 from stepflash_jax.train import sft
 from stepflash_jax.train.metrics import summary_table
@@ -167,7 +168,7 @@ def _prompt_batches(config, tok, seed):
       seed=seed,
     )
   )
-  return [batches.repeat_prompts(next(it), config.rl.samples_per_prompt) for _ in range(int(config.lab.probe_batches))]
+  return [repeat_prompts(next(it), config.rl.samples_per_prompt) for _ in range(int(config.lab.probe_batches))]
 
 
 def _probe_samples(engine, variables, batches, score, seed) -> list[dict]:
@@ -175,7 +176,7 @@ def _probe_samples(engine, variables, batches, score, seed) -> list[dict]:
   parts = []
   for i, prompts in enumerate(batches):
     gen = engine.generate(variables, prompts["tokens"], prompts["lengths"], jax.random.key(seed + i))
-    batch = batches.sequences(prompts, gen)
+    batch = sequences(prompts, gen)
     logp_old, conf = score(variables, {k: jnp.asarray(v) for k, v in batch.items()})
     parts.append(
       dict(

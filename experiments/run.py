@@ -1,6 +1,6 @@
 """The entry point: SFT, or the full pipeline SFT -> RL (MIS-PO / PPO / GSPO / TIS), chosen by the config.
 
-  python experiments/run.py --config=configs/mispo.py                       # the main job (~20 min on 2 cores)
+  python experiments/run.py --config=configs/mispo.py                       # the main job (34 min on 2 cores)
   python experiments/run.py --config=configs/sft.py --workdir=runs/sft --config.train.steps=200
 Without --workdir it writes to runs/<config name>. Rerunning the same command resumes from the latest checkpoint.
 """
