@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ from stepflash_jax.train.step import frozen_mask, make_optimizer, warmup_constan
 from timing import bench  # experiments/benchmarks/timing.py (the script's folder is on sys.path)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)  # configs/mispo.py imports configs.sft
 
 
 def generation(n, P, R, vocab, rng):
