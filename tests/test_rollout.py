@@ -116,12 +116,12 @@ def _teacher_forced(eng, variables, prompts, resp, width, length=P + N + 8):
   p = np.concatenate([np.full((B, width - P), PAD, np.int32), prompts], 1)
   col = np.arange(width)[None]
   seg = (col >= pads[:, None]).astype(np.int32)
-  logits, _, cache, _, _ = eng.model_call(
+  logits, _, cache, _, _, _ = eng.model_call(
     variables, p, np.maximum(col - pads[:, None], 0), seg, eng.init_cache(B, length), 0
   )
   got, conf, ntok = [jax.nn.log_softmax(logits[:, -1])], {}, 0.0
   for i in range(1, N):
-    logits, _, cache, c, n = eng.model_call(
+    logits, _, cache, c, n, _ = eng.model_call(
       variables, resp[:, i - 1 : i], (LENS + i - 1)[:, None], np.ones((B, 1), np.int32), cache, width + i - 1
     )
     got.append(jax.nn.log_softmax(logits[:, 0]))
@@ -381,3 +381,70 @@ def test_mtp_draft_chain_matches_training_mtp_forward(tiny_cfg, variables, forwa
         p = ss[t, b] - k + 1 + j
         got.append(lgs[k][t, b, j[p >= 0]]), want.append(ref[k, b, p[p >= 0]])
   np.testing.assert_allclose(np.concatenate(got), np.concatenate(want), atol=1e-4, rtol=0)
+
+
+def _flip_rate(tiny_cfg, variables, out, width):
+  """Fraction of fed tokens (prompt + every response token but a row's last) whose expert set in the engine's
+  recorded `expert_ids` differs from the training forward's own top-k over the same columns."""
+  toks, mask = out["tokens"], out["response_mask"]
+  pads = width - LENS
+  col = np.arange(width)[None]
+  pos = np.concatenate([np.maximum(col - pads[:, None], 0), LENS[:, None] + np.arange(N)[None]], 1)
+  seg = np.concatenate([(col >= pads[:, None]).astype(np.int32), mask.astype(np.int32)], 1)
+  _, st = sfj.apply(tiny_cfg, variables, toks, positions=pos, segment_ids=seg, stats=True)
+  fed = np.concatenate([seg[:, :width], mask * np.pad(mask[:, 1:], ((0, 0), (0, 1)))], 1) > 0
+  assert sorted(out["expert_ids"]) == sorted(st["expert_ids"])
+  flips = [
+    (np.sort(out["expert_ids"][k], -1) != np.sort(np.asarray(x), -1)).any(-1)[fed] for k, x in st["expert_ids"].items()
+  ]
+  return float(np.mean(flips))
+
+
+def test_recorded_experts_are_the_training_pass_experts(tiny_cfg, variables, restricted, prompts, plain_out):
+  """Router replay's input: the experts the engine used for every fed token (prefill and decode columns; spec:
+  accepted columns only, rejected drafts overwritten) equal the fp32 training forward's choice on those columns."""
+  ids = plain_out["expert_ids"]
+  assert all(x.shape == (B, P + N, tiny_cfg.num_experts_per_tok) and x.dtype == np.int32 for x in ids.values())
+  assert _flip_rate(tiny_cfg, variables, plain_out, P) < 0.005
+  eng = engine(tiny_cfg, temperature=0.0, eos_id=11, spec_decode=True, max_prompt_len=16)
+  spec = jax.device_get(eng.generate(restricted, prompts, LENS, jax.random.key(5)))
+  assert spec["accept_rate"] < 0.95  # some drafts were rejected and their columns rewritten
+  assert _flip_rate(tiny_cfg, restricted, spec, 16) < 0.005
+
+
+def test_quantized_weights_per_output_channel():
+  """int8: |W' - W| <= scale / 2 with scale = max |W| over the input axes / 127, the largest entry of each channel
+  exact; fp8 e4m3: relative error <= 2^-4 for entries in the normal range; experts get one scale per expert."""
+  from stepflash_jax.sampling.quantize import fake_quantize, quantize_params
+
+  rs = np.random.RandomState(0)
+  w = rs.standard_normal((3, 16, 5)).astype(np.float32)  # [E, in, out]
+  scale = np.abs(w).max(1, keepdims=True) / 127
+  q = np.asarray(fake_quantize(w, "int8", (1,)))
+  assert np.all(np.abs(q - w) <= scale / 2 + 1e-7)
+  np.testing.assert_allclose(np.abs(q).max(1), np.abs(w).max(1), rtol=1e-6)
+  f8 = np.asarray(fake_quantize(w, "fp8", (1,)))
+  big = np.abs(w) > np.abs(w).max(1, keepdims=True) * 2.0**-6
+  assert np.all(np.abs(f8 - w)[big] <= 2.0**-4 * np.abs(w)[big]) and np.abs(f8 - w).max() > 0
+  with pytest.raises(ValueError, match="quantize"):
+    fake_quantize(w, "int4", (1,))
+  params = {"layer_2": {"moe": {"up_proj": {"kernel": w}, "router": {"kernel": w[0]}}}, "lm_head": {"kernel": w[0]}}
+  out = quantize_params(params, "int8")
+  np.testing.assert_array_equal(out["layer_2"]["moe"]["up_proj"]["kernel"], q)
+  np.testing.assert_array_equal(out["layer_2"]["moe"]["router"]["kernel"], w[0])  # router and heads untouched
+  np.testing.assert_array_equal(out["lm_head"]["kernel"], w[0])
+
+
+def test_quantized_engine_adds_mismatch(tiny_cfg, variables, prompts, forward):
+  """An int8-weight bf16 engine is further from the fp32 training forward than the bf16 engine alone."""
+  diffs = {}
+  for quant in (None, "int8"):
+    out = jax.device_get(
+      engine(tiny_cfg, dtype="bfloat16", quantize=quant).generate(variables, prompts, LENS, jax.random.key(3))
+    )
+    ref = response_logp(forward(variables, prompts, LENS, out["response"]), LENS, out["response"])
+    diffs[quant] = float(np.abs(out["logp"] - ref)[out["response_mask"] > 0].mean())
+  print(f"mean |logp diff| vs fp32 training: bf16 {diffs[None]:.2e}, bf16 + int8 weights {diffs['int8']:.2e}")
+  assert diffs["int8"] > 1.2 * diffs[None]  # measured 1.6x (2026-12-01)
+  with pytest.raises(ValueError, match="quantize"):
+    engine(tiny_cfg, quantize="int4")

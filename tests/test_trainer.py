@@ -71,7 +71,8 @@ def test_one_actor_and_critic_update(setup):
   fns = programs.Programs(args, rc, tx_a, tx_c, P, frozen_mask(v["params"], True))
   b = batches.sequences(prompts, gen)
   jb = {k: jnp.asarray(x) for k, x in b.items()}
-  logp_old, ent, conf = fns.score(v["params"], v["router"], jb)
+  logp_old, ent, conf, flips = fns.score(v["params"], v["router"], jb)
+  assert flips == {}  # hand-made rollouts record no experts
   assert logp_old.shape == (2, R) and float(ent) > 0
   assert sorted(conf) == sorted(f"layer_{i}" for i in cfg.model.moe_layers)  # Sigma_k per MoE layer
   assert all(0 < float(c) <= 1 for c in conf.values())
@@ -124,7 +125,7 @@ def fp32_rollout(setup):
   b = batches.sequences(prompts, gen)
   jb = {k: jnp.asarray(x) for k, x in b.items()}
   fns = programs.Programs(args, rc, None, None, P, frozen_mask(v["params"], True))
-  logp_old, _, conf = jax.device_get(fns.score(v["params"], v["router"], jb))
+  logp_old, _, conf, _ = jax.device_get(fns.score(v["params"], v["router"], jb))
   return gen, b, logp_old, conf
 
 
@@ -157,6 +158,48 @@ def test_routing_confidence_over_the_same_response_tokens(fp32_rollout):
   for k, c in conf.items():
     np.testing.assert_allclose(c, gen["routing_confidence_layers"][k], rtol=1e-5)
   np.testing.assert_allclose(np.mean(list(conf.values())), gen["routing_confidence"], rtol=1e-5)
+
+
+def test_router_replay_scoring_and_flip_rate(setup, fp32_rollout):
+  """fp32 engines choose the same experts: flip rate 0 and replayed logp_old = own logp_old; other experts
+  (every rollout id shifted by one) flip every fed token and change logp_old; the replayed actor step runs."""
+  cfg, args, v, _, _, P, R = setup
+  gen, b, logp_old, _ = fp32_rollout
+  v = {**v, "params": {**v["params"], "lm_head": {"kernel": v["params"]["lm_head"]["kernel"] * 40.0}}}
+  rc = cfg.rl.copy_and_resolve_references()
+  rc.temperature, rc.top_p = 0.7, 0.9
+  tx = make_optimizer(cfg.optim, warmup_constant(1e-2, 1))
+  fns = programs.Programs(args, rc, tx, tx, P, frozen_mask(v["params"], True))
+  jb = {k: jnp.asarray(x) for k, x in b.items()}
+  assert jb["rollout_experts"].shape == (2, len(cfg.model.moe_layers), P + R, cfg.model.num_experts_per_tok)
+  own = jax.device_get(fns.score(v["params"], v["router"], jb))
+  assert sorted(own[3]) == sorted(gen["expert_ids"]) and max(own[3].values()) == 0.0
+  replayed = jax.device_get(fns.score(v["params"], v["router"], jb, replay=True))
+  m = b["mask"] > 0
+  np.testing.assert_allclose(replayed[0][m], logp_old[m], atol=1e-6)
+  other = {**jb, "rollout_experts": (jb["rollout_experts"] + 1) % cfg.model.num_experts}
+  fed = b["mask"] * np.pad(b["mask"][:, 1:], ((0, 0), (0, 1)))
+  assert fed.sum() > 0 and min(jax.device_get(fns.score(v["params"], v["router"], other)[3]).values()) == 1.0
+  shifted = jax.device_get(fns.score(v["params"], v["router"], other, replay=True))[0]
+  assert np.abs(shifted[m] - logp_old[m]).max() > 1e-3
+  mb = {**jb, "logp_old": replayed[0], "logp_ref": replayed[0], "adv": jnp.ones((2, R)), "returns": jnp.ones((2, R))}
+  actor = {"params": v["params"], "router": v["router"], "opt": tx.init(v["params"])}
+  _, met = fns.actor_step(actor, mb, replay=True)
+  assert float(met["skipped"]) == 0.0 and float(met["actor_grad_norm"]) > 0
+  with pytest.raises(ValueError, match="rollout_experts"):
+    fns.score(v["params"], v["router"], {k: x for k, x in jb.items() if k != "rollout_experts"}, replay=True)
+
+
+def test_router_replay_config_is_checked(setup):
+  from stepflash_jax.train.validate import validate_run_config
+
+  cfg = setup[0].copy_and_resolve_references()
+  cfg.rl.router_replay = "sometimes"
+  with pytest.raises(ValueError, match="rl.router_replay"):
+    validate_run_config(cfg)
+  cfg.rl.router_replay, cfg.rl.replay_threshold = "auto", 1.5
+  with pytest.raises(ValueError, match="rl.replay_threshold"):
+    validate_run_config(cfg)
 
 
 @pytest.mark.parametrize("objective", ["mispo", "ppo", "gspo", "tis"])

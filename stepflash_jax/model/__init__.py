@@ -13,6 +13,7 @@ import numpy as np
 
 from stepflash_jax import config as config_lib
 from stepflash_jax.config import ModelArgs
+from stepflash_jax.model import replay as replay_lib
 from stepflash_jax.model.cache import init_cache
 from stepflash_jax.model.transformer import Transformer
 
@@ -78,17 +79,25 @@ def apply(
   stats=False,
   cache=None,
   cache_index=None,
+  replay_experts=None,
 ):
-  """Run the model. Returns the output dict (and the sown "moe_stats" tree if stats=True).
+  """Run the model. Returns the output dict (and, if stats=True, the sown "moe_stats" tree plus
+  stats["expert_ids"] = {MoE layer name: int32 [B, T, k]}, the experts each layer chose).
 
+  replay_experts: such a dict (router replay, model/replay.py): every MoE layer of the main model uses the given
+  experts instead of its top-k; the routing weights still come from the current router. MTP layers are not replayed.
   Concrete (not traced) tokens are checked: ids outside [0, vocab_size) or an empty sequence raise ValueError."""
-  check_tokens(tokens, as_args(cfg).vocab_size, "apply")
-  model = build(cfg, head)
+  args = as_args(cfg)
+  check_tokens(tokens, args.vocab_size, "apply")
+  replay = None if replay_experts is None else replay_lib.replay_tree(args, replay_experts, np.shape(tokens))
+  model = build(args, head)
   variables = {k: variables[k] for k in COLLECTIONS if k in variables}
+  call = (variables, tokens, positions, segment_ids, cache, cache_index, mtp, replay)
   if stats:
-    out, st = model.apply(variables, tokens, positions, segment_ids, cache, cache_index, mtp, mutable=["moe_stats"])
-    return out, st.get("moe_stats", {})
-  return model.apply(variables, tokens, positions, segment_ids, cache, cache_index, mtp)
+    out, st = model.apply(*call, mutable=["moe_stats"])
+    st = dict(st.get("moe_stats", {}))
+    return out, {**st, "expert_ids": replay_lib.expert_ids(st)}
+  return model.apply(*call)
 
 
 @functools.lru_cache(maxsize=None)

@@ -20,11 +20,17 @@ from stepflash_jax.model import moe_parallel
 from stepflash_jax.model.mlp import MLP, Weight, expert_ffn
 
 
-def route(x, router_kernel, router_bias, top_k: int, scaling: float, renormalize: bool = True):
-  """x [N, H] -> (scores [N, E] fp32, chosen [N, k] int32, weights [N, k] fp32)."""
+def route(x, router_kernel, router_bias, top_k: int, scaling: float, renormalize: bool = True, replay=None):
+  """x [N, H] -> (scores [N, E] fp32, chosen [N, k] int32, weights [N, k] fp32).
+
+  replay [N, k] int (router replay, model/replay.py): these experts are chosen instead of top_k(s + bias); the
+  weights are still the current scores of the chosen experts (differentiable in the router weights)."""
   logits = jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32), precision="highest")
   scores = jax.nn.sigmoid(logits)
-  _, chosen = jax.lax.top_k(scores + router_bias.astype(jnp.float32), top_k)
+  if replay is None:
+    _, chosen = jax.lax.top_k(scores + router_bias.astype(jnp.float32), top_k)
+  else:
+    chosen = replay
   w = jnp.take_along_axis(scores, chosen, axis=-1)
   if renormalize:
     w = w / (jnp.sum(w, -1, keepdims=True) + 1e-20)
@@ -64,8 +70,9 @@ class MoE(nn.Module):
     return getattr(getattr(self.parent, "args", None), "expert_parallel", "none")
 
   @nn.compact
-  def __call__(self, x, token_mask=None, limit=0.0, shared_limit=0.0):
-    """x [B, T, H], token_mask [B, T] (1 = real token; statistics only) -> [B, T, H]."""
+  def __call__(self, x, token_mask=None, limit=0.0, shared_limit=0.0, replay=None):
+    """x [B, T, H], token_mask [B, T] (1 = real token; statistics only), replay [B, T, k] int32 experts to use
+    instead of the router's top-k (router replay) -> [B, T, H]."""
     B, T, H = x.shape
     E, F = self.num_experts, self.width
     kw = dict(init_std=self.init_std, dtype=self.dtype, param_dtype=self.param_dtype)
@@ -80,7 +87,8 @@ class MoE(nn.Module):
     wd = Weight((E, F, H), ("expert", "mlp", "embed"), name="down_proj", **kw)()
 
     xf = x.reshape(B * T, H).astype(self.dtype)
-    scores, chosen, w = route(xf, router, bias.value, self.top_k, self.routed_scaling_factor, self.renormalize)
+    rep = None if replay is None else replay.reshape(B * T, self.top_k)
+    scores, chosen, w = route(xf, router, bias.value, self.top_k, self.routed_scaling_factor, self.renormalize, rep)
     mode = self._ep_mode()
     if moe_parallel.active(mode):  # tokens travel to the devices holding their experts (shard_map)
       y = moe_parallel.moe_experts(xf, chosen, w, wg, wu, wd, limit, mode=mode, implementation=self.implementation)
@@ -102,6 +110,7 @@ class MoE(nn.Module):
     self.sow("moe_stats", "tokens", m.sum())
     # per token [B, T] (0 on padding): lets a caller average Sigma_k over a subset, e.g. the RL response tokens
     self.sow("moe_stats", "confidence_per_token", conf.reshape(B, T))
+    self.sow("moe_stats", "expert_ids", chosen.reshape(B, T, self.top_k))  # what router replay feeds back
     return y
 
 
@@ -134,7 +143,8 @@ def ep_balance_loss(stats, groups: int, top_k: int):
       losses.append((groups * (fg * pg).sum(-1)).reshape(-1))
     else:
       for v in s.values():
-        walk(v)
+        if isinstance(v, dict):
+          walk(v)
 
   walk(stats)
   return jnp.concatenate(losses).mean() if losses else jnp.float32(0)

@@ -27,7 +27,8 @@ class DecoderLayer(nn.Module):
   args: ModelArgs
 
   @nn.compact
-  def __call__(self, x, positions, segment_ids, token_mask, limits=None, cache=None, cache_index=None):
+  def __call__(self, x, positions, segment_ids, token_mask, limits=None, cache=None, cache_index=None, replay=None):
+    """replay: [B, T, k] experts of an MoE layer (router replay), else None."""
     a, s = self.args, self.spec
     lim, shared_lim = (s.ffn_limit, s.shared_limit) if limits is None else (limits[0], limits[1])
     dt = dict(dtype=a.dtype, param_dtype=a.param_dtype)
@@ -60,25 +61,32 @@ class DecoderLayer(nn.Module):
         a.moe_impl,
         name="moe",
         **dt,
-      )(h, token_mask, lim, shared_lim)
+      )(h, token_mask, lim, shared_lim, replay)
     else:
       out = MLP(a.hidden_size, a.intermediate_size, a.init_std, name="mlp", **dt)(h, lim)
     return nn.with_logical_constraint(x + out, ACT), cache
 
 
 class Block(nn.Module):
-  """`period` consecutive decoder layers; the body of the scan. Carry: x. Scanned inputs: limits, cache."""
+  """`period` consecutive decoder layers; the body of the scan. Carry: x. Scanned inputs: limits, cache, replay."""
 
   specs: tuple
   args: ModelArgs
 
   @nn.compact
-  def __call__(self, x, limits, cache, positions, segment_ids, token_mask, cache_index):
+  def __call__(self, x, limits, cache, replay, positions, segment_ids, token_mask, cache_index):
     new = {}
     for j, spec in enumerate(self.specs):
       name = f"sub_{j}"
       x, c = DecoderLayer(spec, self.args, name=name)(
-        x, positions, segment_ids, token_mask, limits[j], None if cache is None else cache[name], cache_index
+        x,
+        positions,
+        segment_ids,
+        token_mask,
+        limits[j],
+        None if cache is None else cache[name],
+        cache_index,
+        None if replay is None else replay.get(name),
       )
       new[name] = c
     return x, (None if cache is None else new)
@@ -137,7 +145,7 @@ class Transformer(nn.Module):
         variable_axes={"params": 0, "router": 0, "moe_stats": 0},
         split_rngs={"params": True},
         length=n,
-        in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+        in_axes=(0, 0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
         metadata_params={nn.PARTITION_NAME: "layers"},
       )(a.layers[start : start + period], a)
       self.block_limits = np.array(
@@ -157,28 +165,36 @@ class Transformer(nn.Module):
     else:
       self.value_head = Weight((a.hidden_size,), ("embed",), zero_init=True, dtype=jnp.float32)
 
-  def backbone(self, tokens, positions, segment_ids, cache=None, cache_index=None):
+  def backbone(self, tokens, positions, segment_ids, cache=None, cache_index=None, replay=None):
+    """replay: None or model/replay.py's `replay_tree` ({"layer_i": [B, T, k], "blocks": {"sub_j": [n, B, T, k]}})."""
     a = self.args
     x = nn.with_logical_constraint(self.embed(tokens).astype(a.dtype), ACT)
     mask = None if segment_ids is None else segment_ids > 0
     new_cache = {}
     start, period, n = a.scan if a.scan else (len(a.layers), 0, 0)
     get = (lambda k: None) if cache is None else (lambda k: cache[k])
+    rep = (lambda k: None) if replay is None else replay.get
+
+    def layer(i, x):
+      name = f"layer_{i}"
+      x, new_cache[name] = self.layer[i](x, positions, segment_ids, mask, None, get(name), cache_index, rep(name))
+      return x
+
     for i in [i for i in self.unrolled if i < start]:
-      x, new_cache[f"layer_{i}"] = self.layer[i](x, positions, segment_ids, mask, None, get(f"layer_{i}"), cache_index)
+      x = layer(i, x)
     if n:
       x, new_cache["blocks"] = self.blocks(
-        x, jnp.asarray(self.block_limits), get("blocks"), positions, segment_ids, mask, cache_index
+        x, jnp.asarray(self.block_limits), get("blocks"), rep("blocks"), positions, segment_ids, mask, cache_index
       )
     for i in [i for i in self.unrolled if i >= start]:
-      x, new_cache[f"layer_{i}"] = self.layer[i](x, positions, segment_ids, mask, None, get(f"layer_{i}"), cache_index)
+      x = layer(i, x)
     return x, new_cache
 
-  def __call__(self, tokens, positions=None, segment_ids=None, cache=None, cache_index=None, mtp=False):
+  def __call__(self, tokens, positions=None, segment_ids=None, cache=None, cache_index=None, mtp=False, replay=None):
     B, T = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    hidden, new_cache = self.backbone(tokens, positions, segment_ids, cache, cache_index)
+    hidden, new_cache = self.backbone(tokens, positions, segment_ids, cache, cache_index, replay)
     hn = self.final_norm(hidden)
     out = {"hidden": hidden, "cache": new_cache if cache is not None else None}
     if self.head == "value":

@@ -9,11 +9,12 @@ from stepflash_jax import parallel
 
 
 def sequences(prompts, gen):
-  """Prompt batch + engine output -> full sequences with positions and segment ids for the training engine."""
+  """Prompt batch + engine output -> full sequences with positions and segment ids for the training engine, and
+  the experts the rollout engine chose (router replay)."""
   R = gen["response"].shape[1]
   mask = np.asarray(gen["response_mask"], np.float32)
   pos_r = prompts["lengths"][:, None] + np.arange(R)[None]
-  return {
+  out = {
     "tokens": np.concatenate([prompts["tokens"], np.asarray(gen["response"])], 1).astype(np.int32),
     "positions": np.concatenate([prompts["positions"], pos_r], 1).astype(np.int32),
     "segment_ids": np.concatenate([prompts["segment_ids"], mask.astype(np.int32)], 1),
@@ -21,6 +22,9 @@ def sequences(prompts, gen):
     "mask": mask,
     "logp_rollout": np.asarray(gen["logp"], np.float32),
   }
+  if gen.get("expert_ids"):  # [n, MoE layers (sorted by name), P + R, k]: router replay (programs.experts_dict)
+    out["rollout_experts"] = np.stack([np.asarray(gen["expert_ids"][k]) for k in sorted(gen["expert_ids"])], 1)
+  return out
 
 
 def repeat_prompts(batch, n):

@@ -14,6 +14,7 @@ import numpy as np
 from stepflash_jax import model as model_lib
 from stepflash_jax import parallel
 from stepflash_jax.model.moe import stat_layers
+from stepflash_jax.model.replay import moe_layer_names
 from stepflash_jax.rl import advantages as adv_lib
 from stepflash_jax.rl import losses
 from stepflash_jax.rl.batches import minibatches
@@ -75,13 +76,47 @@ def mismatch_stats(rcfg, mb) -> dict:
   }
 
 
-def response_logits(args, variables, mb, prompt_len):
-  """Training-engine logits predicting each response token: [n, R, V] (fp32), and the MoE stats."""
+def experts_dict(args, mb):
+  """The rollout's experts mb["rollout_experts"] [n, layers, T, k] (`batches.sequences`) -> apply's replay_experts
+  {layer: [n, T, k]}."""
+  if "rollout_experts" not in mb:
+    raise ValueError("router replay needs the rollout engine's experts: batch field 'rollout_experts' is missing")
+  names = sorted(moe_layer_names(args))
+  if mb["rollout_experts"].shape[1] != len(names):
+    raise ValueError(f"rollout_experts has {mb['rollout_experts'].shape[1]} MoE layers, the model {len(names)}")
+  return {name: mb["rollout_experts"][:, i] for i, name in enumerate(names)}
+
+
+def response_logits(args, variables, mb, prompt_len, replay=False):
+  """Training-engine logits predicting each response token: [n, R, V] (fp32), and the MoE stats. replay: the MoE
+  layers use the rollout's experts mb["rollout_experts"] (router replay, model/replay.py)."""
   out, st = model_lib.apply(
-    args, variables, mb["tokens"], positions=mb["positions"], segment_ids=mb["segment_ids"], stats=True
+    args,
+    variables,
+    mb["tokens"],
+    positions=mb["positions"],
+    segment_ids=mb["segment_ids"],
+    stats=True,
+    replay_experts=experts_dict(args, mb) if replay else None,
   )
   R = mb["tokens"].shape[1] - prompt_len
   return out["logits"][:, prompt_len - 1 : prompt_len - 1 + R], st
+
+
+def flip_rates(args, stats, mb, prompt_len) -> dict:
+  """{MoE layer: expert-flip rate}: the fraction of fed response tokens (`fed_mask`) whose set of chosen experts in
+  this training pass differs from the rollout engine's (mb["rollout_experts"]; none recorded: {})."""
+  if "rollout_experts" not in mb:
+    return {}
+  fed = fed_mask(mb["mask"])
+  n, R = jnp.maximum(fed.sum(), 1.0), fed.shape[1]
+  rollout = experts_dict(args, mb)
+  out = {}
+  for name, ids in stats["expert_ids"].items():
+    if name in rollout:
+      a, b = (jnp.sort(x[:, prompt_len : prompt_len + R], -1) for x in (ids, rollout[name]))
+      out[name] = ((a != b).any(-1) * fed).sum() / n
+  return out
 
 
 def token_logp(logits, tokens, temperature=1.0, top_p=1.0):
@@ -128,30 +163,33 @@ def kl_coef_at(rcfg, step: int) -> float:
 
 
 class Programs:
-  """The jitted pieces of a generation, compiled once per (model, config)."""
+  """The jitted pieces of a generation, compiled once per (model, config); `score` and `actor_step` take a static
+  `replay` flag (router replay on / off: two programs)."""
 
   def __init__(self, args, rcfg, actor_tx, critic_tx, prompt_len, freeze_mask):
     P = prompt_len
     sampling = dict(temperature=rcfg.get("temperature", 1.0), top_p=rcfg.get("top_p", 1.0))
 
-    def score(params, router, mb):
-      logits, st = response_logits(args, {"params": params, "router": router}, mb, P)
+    def score(params, router, mb, replay=False):
+      """-> logp [n, R], entropy, {layer: Sigma_k}, {layer: expert-flip rate against the rollout}."""
+      logits, st = response_logits(args, {"params": params, "router": router}, mb, P, replay)
       mask = mb["mask"]
       return (
         token_logp(logits, mb["response"], **sampling),
         losses.entropy_from_logits(logits, mask),  # of the model's distribution (temperature 1, no nucleus)
         response_confidence(st, mask, P),
+        flip_rates(args, st, mb, P),
       )
 
-    self.score = jax.jit(score)
-    self.values = jax.jit(
+    self._jit = {"score": jax.jit(score, static_argnames="replay")}
+    self._jit["values"] = jax.jit(
       lambda cp, router, mb: response_values(
         args, {"params": cp, "router": router}, mb["tokens"], mb["positions"], mb["segment_ids"], P
       )
     )
 
-    def actor_loss(params, router, mb, kl_coef):
-      logits, st = response_logits(args, {"params": params, "router": router}, mb, P)
+    def actor_loss(params, router, mb, kl_coef, replay):
+      logits, st = response_logits(args, {"params": params, "router": router}, mb, P, replay)
       logp = token_logp(logits, mb["response"], **sampling)
       loss, m = objective(rcfg, logp, mb)
       if rcfg.kl_coef > 0:  # kl_coef: rl.kl_coef, or 0 before rl.kl_start (the KL is logged either way)
@@ -162,10 +200,12 @@ class Programs:
       conf = jnp.stack(list(conf.values())).mean() if conf else jnp.float32(jnp.nan)
       return loss, {**m, "confidence_train": conf}
 
-    def actor_step(state, mb, kl_coef=None):
-      """kl_coef: a float32 scalar (the run passes `kl_coef_at(rcfg, step)`); None = rl.kl_coef."""
+    def actor_step(state, mb, kl_coef=None, replay=False):
+      """kl_coef: a float32 scalar (the run passes `kl_coef_at(rcfg, step)`); None = rl.kl_coef. replay: router
+      replay of the rollout's experts."""
       kl_coef = jnp.asarray(rcfg.kl_coef if kl_coef is None else kl_coef, jnp.float32)
-      (loss, m), g = jax.value_and_grad(actor_loss, has_aux=True)(state["params"], state["router"], mb, kl_coef)
+      grad_fn = jax.value_and_grad(actor_loss, has_aux=True)
+      (loss, m), g = grad_fn(state["params"], state["router"], mb, kl_coef, replay)
       params, opt, gnorm, skipped = guarded_update(state, g, loss, actor_tx, freeze_mask)
       return {**state, "params": params, "opt": opt}, {
         **m,
@@ -174,7 +214,7 @@ class Programs:
         "skipped": skipped,
       }
 
-    self.actor_step = jax.jit(actor_step)
+    self._jit["actor_step"] = jax.jit(actor_step, static_argnames="replay")
 
     def critic_loss(cp, router, mb):
       v = response_values(args, {"params": cp, "router": router}, mb["tokens"], mb["positions"], mb["segment_ids"], P)
@@ -192,7 +232,8 @@ class Programs:
         "skipped": skipped,
       }
 
-    self.critic_step = jax.jit(critic_step)
+    self._jit["critic_step"] = jax.jit(critic_step)
+    self._exe = {}  # (name, replay) -> compiled executable (`compile`)
 
     def advantages(values, mask, task_reward, truncated):
       final = adv_lib.value_after_last(values, mask)
@@ -203,21 +244,44 @@ class Programs:
     self.advantages = jax.jit(advantages)
     self.mismatch = jax.jit(lambda mb: mismatch_stats(rcfg, mb))
 
-  def compile(self, state, batch, minibatch_counts, mesh, rules):
-    """Compile the generation's four big programs concurrently, one per thread, then call the compiled executables
-    (tracing, lowering and parts of XLA's compilation are single-threaded: measured on 2 cores, 95 s instead of
-    ~113 s one after the other). `batch` is a generation as `sequences` returns it; only its shapes are used."""
+  def _call(self, name, replay, *xs):
+    exe = self._exe.get((name, replay))
+    if exe is not None:
+      return exe(*xs)
+    return self._jit[name](*xs) if replay is None else self._jit[name](*xs, replay=replay)
+
+  def score(self, params, router, mb, replay=False):
+    return self._call("score", replay, params, router, mb)
+
+  def values(self, params, router, mb):
+    return self._call("values", None, params, router, mb)
+
+  def actor_step(self, state, mb, kl_coef=None, replay=False):
+    return self._call("actor_step", replay, state, mb, kl_coef)
+
+  def critic_step(self, state, mb):
+    return self._call("critic_step", None, state, mb)
+
+  def compile(self, state, batch, minibatch_counts, mesh, rules, replay=(False,)):
+    """Compile the generation's big programs concurrently, one per thread (tracing, lowering and parts of XLA's
+    compilation are single-threaded: measured on 2 cores, 95 s instead of ~113 s one after the other); later calls
+    use the executables. `batch` is a generation as `sequences` returns it (only its shapes are used); `replay`:
+    the router-replay flags the run will use (the scoring pass without replay always runs: flip rates)."""
     n, R = batch["mask"].shape
     full = {**batch, **{k: np.zeros((n, R), np.float32) for k in ("logp_old", "logp_ref", "adv", "returns")}}
     jb = parallel.shard_batch(batch, mesh, rules, global_batch=True)
     amb, cmb = (next(minibatches(full, m, np.random.default_rng(0), mesh, rules)) for m in minibatch_counts)
     a, c = state["actor"], state["critic"]
-    jobs = {
-      "score": (a["params"], a["router"], jb),
-      "values": (c["params"], c["router"], jb),
-      "actor_step": (a, amb, jnp.float32(0)),
-      "critic_step": (c, cmb),
-    }
-    compiled = parallel.concurrently(**{k: lambda k=k: getattr(self, k).lower(*jobs[k]).compile() for k in jobs})
-    for k, fn in compiled.items():
-      setattr(self, k, fn)
+    jobs = {("values", None): (c["params"], c["router"], jb), ("critic_step", None): (c, cmb)}
+    for flag in sorted(set(replay) | {False}):
+      jobs[("score", flag)] = (a["params"], a["router"], jb)
+    for flag in replay:
+      jobs[("actor_step", flag)] = (a, amb, jnp.float32(0))
+
+    def lower(key):
+      name, flag = key
+      kw = {} if flag is None else {"replay": flag}
+      return self._jit[name].lower(*jobs[key], **kw).compile()
+
+    done = parallel.concurrently(**{f"{k[0]}/{k[1]}": lambda k=k: lower(k) for k in jobs})
+    self._exe.update({k: done[f"{k[0]}/{k[1]}"] for k in jobs})

@@ -18,6 +18,7 @@ greedy accuracy at intervals. The compiled programs live in programs.py, the hos
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import time
@@ -63,7 +64,8 @@ def init_state(config, ref, args, mesh, rules):
 
 
 def rollout_engine(config, tok) -> RolloutEngine:
-  """The inference engine of the rollouts: rl.rollout_dtype numerics, rl.temperature / top_p / logit_noise."""
+  """The inference engine of the rollouts: rl.rollout_dtype numerics and rl.rollout_quantize weights,
+  rl.temperature / top_p / logit_noise."""
   rc = config.rl
   return RolloutEngine(
     config.model,
@@ -75,6 +77,7 @@ def rollout_engine(config, tok) -> RolloutEngine:
     temperature=rc.temperature,
     top_p=rc.top_p,
     logit_noise=rc.logit_noise,
+    quantize=None if rc.get("rollout_quantize", "none") == "none" else rc.rollout_quantize,
   )
 
 
@@ -128,16 +131,22 @@ def _run(config, workdir, log, mesh, rules):
     clock.stop("rollout")
     batch = sequences(prompts, gen)
     if step == start:
-      fns.compile(state, batch, (rc.actor_minibatches, rc.critic_minibatches), mesh, rules)
+      flags = {"off": (False,), "always": (True,), "auto": (False, True)}[rc.router_replay]
+      fns.compile(state, batch, (rc.actor_minibatches, rc.critic_minibatches), mesh, rules, replay=flags)
       clock.stop("compile")
+    # router replay (docs/rl.md §8): always, or when the rollout's routing confidence is low
+    replay = rc.router_replay == "always" or (
+      rc.router_replay == "auto" and float(gen["routing_confidence"]) < rc.replay_threshold
+    )
     texts = [tok.decode(r, stop_at_eos=True) for r in batch["response"]]
     scored = score_batch(rc.reward, prompts["examples"], texts, np.asarray(gen["truncated"]))
     clock.stop("reward")
-    scores = score_generation(fns, state, ref, batch, scored, rc, mesh, rules)
+    scores = score_generation(fns, state, ref, batch, scored, rc, mesh, rules, replay)
     clock.stop("score")
-    state, am, cm = update(fns, state, batch, rc, step, rng, mesh, rules)
+    state, am, cm = update(fns, state, batch, rc, step, rng, mesh, rules, replay)
     clock.stop("update")
     metrics = generation_metrics(batch, gen, scored, scores, am, cm)
+    metrics["router_replay"] = float(replay)
     metrics["tokens_per_s"] = metrics["response_tokens"] * len(batch["mask"]) / (time.time() - t0)
     if metrics["skipped"]:
       log(f"rl: generation {step + 1}: {int(metrics['skipped'])} non-finite update(s) skipped")
@@ -158,32 +167,43 @@ def _run(config, workdir, log, mesh, rules):
   return finish(config, workdir, acc0, acc, log)
 
 
-def score_generation(fns, state, ref, batch, scored, rc, mesh, rules) -> dict:
-  """logp_old, entropy and Sigma_k (actor), logp_ref (SFT policy), values (critic): three independent programs run
-  side by side; then advantages, returns and the mismatch statistics. Adds logp_old, logp_ref, adv and returns
-  (host arrays) to `batch`; returns the generation's scoring outputs."""
+def score_generation(fns, state, ref, batch, scored, rc, mesh, rules, replay=False) -> dict:
+  """logp_old, entropy, Sigma_k and expert flips (actor), logp_ref (SFT policy), values (critic): independent
+  programs run side by side (with router replay, logp_old comes from a second actor pass on the rollout's
+  experts); then advantages, returns and the mismatch statistics. Adds logp_old, logp_ref, adv and returns (host
+  arrays) to `batch`; returns the generation's scoring outputs."""
   jb = parallel.shard_batch(batch, mesh, rules, global_batch=True)
   actor, critic = state["actor"], state["critic"]
   thunks = dict(
     actor=lambda: fns.score(actor["params"], actor["router"], jb),
     values=lambda: fns.values(critic["params"], critic["router"], jb),
   )
+  if replay:
+    thunks["replayed"] = lambda: fns.score(actor["params"], actor["router"], jb, replay=True)[0]
   if rc.kl_coef > 0:
     thunks["ref"] = lambda: fns.score(ref["params"], ref["router"], jb)[0]
   out = parallel.concurrently(**thunks)
-  logp_old, entropy, conf = out["actor"]
-  logp_ref = out.get("ref", logp_old)
+  logp_own, entropy, conf, flips = out["actor"]
+  logp_old = out.get("replayed", logp_own)
+  logp_ref = out.get("ref", logp_own)
   adv, ret = fns.advantages(out["values"], jb["mask"], jnp.asarray(scored["reward"]), jnp.asarray(scored["truncated"]))
   mismatch = fns.mismatch({"logp_old": logp_old, "logp_rollout": jb["logp_rollout"], "mask": jb["mask"]})
-  host = parallel.to_host(dict(logp_old=logp_old, logp_ref=logp_ref, adv=adv, returns=ret))
-  batch.update({k: np.asarray(v) for k, v in host.items()})
-  return parallel.to_host(dict(entropy=entropy, conf=conf, values=out["values"], adv=adv, mismatch=mismatch))
+  if replay:  # the same statistics without replay, for comparison
+    own = fns.mismatch({"logp_old": logp_own, "logp_rollout": jb["logp_rollout"], "mask": jb["mask"]})
+    mismatch.update({f"{k}_noreplay": v for k, v in own.items() if k.startswith("logp_abs_diff")})
+  host = parallel.to_host(
+    dict(logp_old=logp_old, logp_ref=logp_ref, adv=adv, returns=ret, entropy=entropy, conf=conf, values=out["values"])
+    | {"flips": flips}
+  )
+  batch.update({k: np.asarray(host.pop(k)) for k in ("logp_old", "logp_ref", "returns")})
+  batch["adv"] = np.asarray(host["adv"])  # one host copy, shared with the returned scores
+  return {**host, "mismatch": parallel.to_host(mismatch)}
 
 
-def update(fns, state, batch, rc, step, rng, mesh, rules):
-  """One epoch over the generation: rl.actor_minibatches actor updates and rl.critic_minibatches critic updates,
-  the two sequences side by side (neither reads the other's parameters). Returns (state, actor and critic
-  metrics per update, on the host)."""
+def update(fns, state, batch, rc, step, rng, mesh, rules, replay=False):
+  """One epoch over the generation: rl.actor_minibatches actor updates (router replay on the rollout's experts if
+  `replay`) and rl.critic_minibatches critic updates, the two sequences side by side (neither reads the other's
+  parameters). Returns (state, actor and critic metrics per update, on the host)."""
   amb = list(minibatches(batch, rc.actor_minibatches, rng, mesh, rules))
   cmb = list(minibatches(batch, rc.critic_minibatches, rng, mesh, rules))
   kl_coef = jnp.float32(kl_coef_at(rc, step))
@@ -196,7 +216,7 @@ def update(fns, state, batch, rc, step, rng, mesh, rules):
     return s, out
 
   done = parallel.concurrently(
-    actor=lambda: epoch(fns.actor_step, state["actor"], amb, kl_coef),
+    actor=lambda: epoch(functools.partial(fns.actor_step, replay=replay), state["actor"], amb, kl_coef),
     critic=lambda: epoch(fns.critic_step, state["critic"], cmb),
   )
   state = {**state, "actor": done["actor"][0], "critic": done["critic"][0], "step": state["step"] + 1}
@@ -227,6 +247,10 @@ def generation_metrics(batch, gen, scored, scores, am, cm) -> dict:
   # per MoE layer: Sigma_k of the rollout engine and of the training engine's pass over the same response tokens
   metrics.update({f"confidence_rollout/{k}": float(v) for k, v in gen["routing_confidence_layers"].items()})
   metrics.update({f"confidence_score/{k}": float(v) for k, v in conf.items()})
+  # expert flips: response tokens whose top-k set differs between the rollout engine and the training pass
+  flips = scores["flips"]
+  metrics["flip_rate"] = float(np.mean(list(flips.values()))) if flips else 0.0
+  metrics.update({f"flip_rate/{k}": float(v) for k, v in flips.items()})
   return metrics
 
 
@@ -248,6 +272,7 @@ def finish(config, workdir, acc0, acc, log):
       "kl",
       "confidence_rollout",
       "confidence_train",
+      "flip_rate",
       "truncation_rate",
     ],
     os.path.join(workdir, "rl.png"),

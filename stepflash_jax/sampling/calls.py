@@ -7,10 +7,13 @@ import jax.numpy as jnp
 
 from stepflash_jax import model as M
 from stepflash_jax.model.moe import stat_layers
+from stepflash_jax.model.replay import moe_layer_names
+from stepflash_jax.sampling.quantize import quantize_params
 
 
-def cast_variables(variables, dtype):
-  """Weight matrices and the embedding to `dtype`; router kernels, norm scales and router biases stay fp32."""
+def cast_variables(variables, dtype, quantize=None):
+  """Weight matrices and the embedding to `dtype`; router kernels, norm scales and router biases stay fp32.
+  quantize "int8" | "fp8": the matrices are first fake-quantized per output channel (sampling/quantize.py)."""
 
   def f(path, x):
     names = [str(getattr(p, "key", "")) for p in path]
@@ -18,11 +21,10 @@ def cast_variables(variables, dtype):
       return x.astype(dtype)
     return x
 
-  return {
-    c: (jax.tree_util.tree_map_with_path(f, variables[c]) if c == "params" else variables[c])
-    for c in M.COLLECTIONS
-    if c in variables
-  }
+  def params(p):
+    return jax.tree_util.tree_map_with_path(f, quantize_params(p, quantize) if quantize else p)
+
+  return {c: (params(variables[c]) if c == "params" else variables[c]) for c in M.COLLECTIONS if c in variables}
 
 
 def moe_confidence(stats):
@@ -32,12 +34,28 @@ def moe_confidence(stats):
 
 
 def model_call(args, v, tokens, positions, segment_ids, cache, cache_index):
-  """Cached backbone call -> (logits [B, T, V] fp32, hidden [B, T, H], new cache, {MoE layer: confidence}, tokens)."""
+  """Cached backbone call -> (logits [B, T, V] fp32, hidden [B, T, H], new cache, {MoE layer: confidence}, tokens,
+  {MoE layer: chosen experts int32 [B, T, k]})."""
   out, st = M.apply(
     args, v, tokens, positions=positions, segment_ids=segment_ids, cache=cache, cache_index=cache_index, stats=True
   )
   conf, ntok = moe_confidence(st)
-  return out["logits"], out["hidden"], out["cache"], conf, ntok
+  return out["logits"], out["hidden"], out["cache"], conf, ntok, st["expert_ids"]
+
+
+def empty_expert_ids(args, batch: int, columns: int) -> dict:
+  """{MoE layer: int32 [B, C, k]} filled with experts 0..k-1 (valid ids for columns that are never fed)."""
+  ids = jnp.broadcast_to(jnp.arange(args.top_k, dtype=jnp.int32), (batch, columns, args.top_k))
+  return {name: ids for name in moe_layer_names(args)}
+
+
+def record_expert_ids(buf: dict, ids: dict, cols):
+  """Write a call's chosen experts {layer: [B, t, k]} into buf {layer: [B, C, k]} at columns cols.. (int or [B])."""
+  t = next(iter(ids.values())).shape[1] if ids else 0
+  B = next(iter(ids.values())).shape[0] if ids else 0
+  where = jnp.broadcast_to(jnp.asarray(cols, jnp.int32).reshape(-1, 1), (B, 1)) + jnp.arange(t)[None]
+  rows = jnp.arange(B)[:, None]
+  return {k: buf[k].at[rows, where].set(ids[k], mode="drop") for k in buf}
 
 
 def mtp_call(args, v, k, h, tokens, positions, segment_ids, cache, cache_index):

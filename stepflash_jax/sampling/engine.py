@@ -62,6 +62,7 @@ from stepflash_jax import model as M
 from stepflash_jax.model.cache import init_cache
 from stepflash_jax.sampling.calls import cast_variables, model_call
 from stepflash_jax.sampling.plain import Sampling, Shapes, generate_plain
+from stepflash_jax.sampling.quantize import QUANT_FORMATS
 from stepflash_jax.sampling.speculative import generate_spec
 
 ENGINE_DTYPES = ("bfloat16", "float32")
@@ -76,9 +77,10 @@ def _compiled(st: Shapes, spec: bool, options: tuple):
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled_call(args, options: tuple):
+def _compiled_call(args, options: tuple, quantize=None):
   return jax.jit(
-    lambda v, *xs: model_call(args, cast_variables(v, args.dtype), *xs), compiler_options=dict(options) or None
+    lambda v, *xs: model_call(args, cast_variables(v, args.dtype, quantize), *xs),
+    compiler_options=dict(options) or None,
   )
 
 
@@ -92,6 +94,7 @@ class RolloutEngine:
   max_prompt_len P: prompts narrower than P are left-padded to P (one compilation per batch size).
   temperature 0 = greedy; top_p 1 = plain sampling; logit_noise = std of Gaussian noise added to the logits.
   spec_decode: MTP-K draft + verify (needs num_mtp_layers >= 1); same output distribution, fewer model calls.
+  quantize: None, "int8" or "fp8": weight-only quantized matrices, per output channel (sampling/quantize.py).
   compiler_options: XLA options for jax.jit, e.g. FAST_COMPILE (tests, short CPU runs).
   Engines that differ only in eos/pad ids and sampling settings share one compiled program (`plain.Sampling`: traced).
   """
@@ -110,6 +113,7 @@ class RolloutEngine:
     logit_noise=0.0,
     spec_decode=False,
     compiler_options=None,
+    quantize=None,
   ):
     base = M.as_args(model_cfg)
     for name, val in (("max_prompt_len", max_prompt_len), ("max_new_tokens", max_new_tokens)):
@@ -126,13 +130,16 @@ class RolloutEngine:
       raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
     if logit_noise < 0:
       raise ValueError(f"logit_noise must be >= 0, got {logit_noise}")
+    if quantize is not None and quantize not in QUANT_FORMATS:
+      raise ValueError(f"quantize must be None or one of {tuple(QUANT_FORMATS)}, got {quantize!r}")
     if spec_decode and not base.mtp_layers:
       raise ValueError("spec_decode needs MTP modules: model config field 'num_mtp_layers' is 0")
     self.args = dataclasses.replace(base, dtype=jnp.dtype(dtype))
     self.max_prompt_len, self.max_new_tokens = int(max_prompt_len), int(max_new_tokens)
     self.eos_id, self.pad_id, self.dtype, self.spec_decode = int(eos_id), int(pad_id), dtype, bool(spec_decode)
     self.temperature, self.top_p, self.logit_noise = float(temperature), float(top_p), float(logit_noise)
-    self._shapes = Shapes(self.args, self.max_prompt_len, self.max_new_tokens)
+    self.quantize = quantize
+    self._shapes = Shapes(self.args, self.max_prompt_len, self.max_new_tokens, quantize)
     self._options = tuple(sorted((compiler_options or {}).items()))
 
   @property
@@ -167,4 +174,5 @@ class RolloutEngine:
 
   def model_call(self, variables, tokens, positions, segment_ids, cache, cache_index):
     """-> (logits [B, T, V] fp32, hidden [B, T, H], new cache, {MoE layer: routing confidence}, valid tokens)."""
-    return _compiled_call(self.args, self._options)(variables, tokens, positions, segment_ids, cache, cache_index)
+    call = _compiled_call(self.args, self._options, self.quantize)
+    return call(variables, tokens, positions, segment_ids, cache, cache_index)

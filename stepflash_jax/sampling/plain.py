@@ -11,7 +11,7 @@ from jax import lax
 
 from stepflash_jax.config import ModelArgs
 from stepflash_jax.model.cache import init_cache
-from stepflash_jax.sampling.calls import cast_variables, model_call
+from stepflash_jax.sampling.calls import cast_variables, empty_expert_ids, model_call, record_expert_ids
 from stepflash_jax.sampling.sample import draw, noisy, sampling_logprobs
 
 
@@ -22,6 +22,7 @@ class Shapes:
   args: ModelArgs  # the model, in the engine's dtype
   max_prompt_len: int  # P: prompts are left-padded to P columns
   max_new_tokens: int  # N: response slots
+  quantize: str | None = None  # weight quantization of the engine: None | "int8" | "fp8" (sampling/quantize.py)
 
 
 class Sampling(NamedTuple):
@@ -41,9 +42,11 @@ def prefill_inputs(st, lens):
   return pad, jnp.maximum(col - pad[:, None], 0), (col >= pad[:, None]).astype(jnp.int32)
 
 
-def result(st, eos, prompts, resp, logp, mask, conf, ntok, conf_p):
+def result(st, eos, prompts, resp, logp, mask, conf, ntok, conf_p, ids):
   has_eos = jnp.any((resp == eos) & (mask > 0), axis=1)
+  T = st.max_prompt_len + st.max_new_tokens
   return {
+    "expert_ids": {k: x[:, :T] for k, x in ids.items()},
     "tokens": jnp.concatenate([prompts, resp], 1),
     "response": resp,
     "response_mask": mask,
@@ -69,9 +72,9 @@ def generate_plain(st: Shapes, variables, prompts, lens, sampling: Sampling, rng
   a, P, N = st.args, st.max_prompt_len, st.max_new_tokens
   temp, top_p, noise, eos, pad_id = sampling
   B = prompts.shape[0]
-  v = cast_variables(variables, a.dtype)
+  v = cast_variables(variables, a.dtype, st.quantize)
   _, pos, seg = prefill_inputs(st, lens)
-  logits, _, cache, conf_p, _ = model_call(a, v, prompts, pos, seg, init_cache(a, B, P + N), 0)
+  logits, _, cache, conf_p, _, ids = model_call(a, v, prompts, pos, seg, init_cache(a, B, P + N), 0)
 
   def sample(i, logits):
     kn, ks = jax.random.split(jax.random.fold_in(rng, i))
@@ -84,6 +87,7 @@ def generate_plain(st: Shapes, variables, prompts, lens, sampling: Sampling, rng
     done=tok == eos,
     conf=jax.tree.map(jnp.zeros_like, conf_p),
     ntok=jnp.float32(0),
+    ids=record_expert_ids(empty_expert_ids(a, B, P + N), ids, 0),
     resp=jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(tok),
     logp=jnp.zeros((B, N), jnp.float32).at[:, 0].set(lp),
     mask=jnp.zeros((B, N), jnp.float32).at[:, 0].set(1.0),
@@ -92,7 +96,7 @@ def generate_plain(st: Shapes, variables, prompts, lens, sampling: Sampling, rng
   def body(s):
     i, active = s["i"], ~s["done"]
     tok_in = lax.dynamic_slice_in_dim(s["resp"], i - 1, 1, axis=1)
-    logits, _, cache, conf, ntok = model_call(
+    logits, _, cache, conf, ntok, ids = model_call(
       a, v, tok_in, (lens + i - 1)[:, None], active[:, None].astype(jnp.int32), s["cache"], P + i - 1
     )
     tok, lp = sample(i, logits[:, 0])
@@ -104,10 +108,11 @@ def generate_plain(st: Shapes, variables, prompts, lens, sampling: Sampling, rng
       done=s["done"] | (active & (tok == eos)),
       conf=accumulate(s["conf"], conf, ntok),
       ntok=s["ntok"] + ntok,
+      ids=record_expert_ids(s["ids"], ids, P + i - 1),
       resp=put(s["resp"], tok),
       logp=put(s["logp"], jnp.where(active, lp, 0.0)),
       mask=put(s["mask"], active.astype(jnp.float32)),
     )
 
   s = lax.while_loop(lambda s: (s["i"] < N) & ~jnp.all(s["done"]), body, s)
-  return result(st, eos, prompts, s["resp"], s["logp"], s["mask"], s["conf"], s["ntok"], conf_p)
+  return result(st, eos, prompts, s["resp"], s["logp"], s["mask"], s["conf"], s["ntok"], conf_p, s["ids"])

@@ -7,7 +7,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from stepflash_jax.model.cache import init_cache
-from stepflash_jax.sampling.calls import cast_variables, model_call, mtp_call, rollback
+from stepflash_jax.sampling.calls import (
+  cast_variables,
+  empty_expert_ids,
+  model_call,
+  mtp_call,
+  record_expert_ids,
+  rollback,
+)
 from stepflash_jax.sampling.plain import Sampling, Shapes, accumulate, prefill_inputs, result
 from stepflash_jax.sampling.sample import draw, noisy, sampling_logprobs
 
@@ -93,7 +100,7 @@ def _prefill(st: Shapes, v, prompts, lens, sampling: Sampling, rng, sampler):
   K, B = len(a.mtp_layers), prompts.shape[0]
   C = P + N + K + 2
   pad, pos, seg = prefill_inputs(st, lens)
-  logits, hid, cache, conf_p, _ = model_call(a, v, prompts, pos, seg, init_cache(a, B, C, K), 0)
+  logits, hid, cache, conf_p, _, ids = model_call(a, v, prompts, pos, seg, init_cache(a, B, C, K), 0)
   mcache = init_cache(a, B, C, K + 1, mtp=True)["mtp"]
   k0 = jax.random.split(jax.random.fold_in(rng, 0), K + 2)
   tok0, lp0 = draw(k0[1], sampling_logprobs(noisy(k0[0], logits[:, -1], noise), temp, top_p), temp <= 0)
@@ -116,6 +123,7 @@ def _prefill(st: Shapes, v, prompts, lens, sampling: Sampling, rng, sampler):
     carries=carries,
     conf=jax.tree.map(jnp.zeros_like, conf_p),
     ntok=jnp.float32(0),
+    ids=record_expert_ids(empty_expert_ids(a, B, C), ids, 0),
     accepted=jnp.int32(0),
     proposed=jnp.int32(0),
     calls=jnp.int32(0),
@@ -129,7 +137,16 @@ def _spec_result(st: Shapes, S, prompts, eos, pad_id, conf_p) -> dict:
   resp = S["toks"][:, P : P + N]
   mask = (jnp.arange(N)[None] < S["g"][:, None]).astype(jnp.float32)
   out = result(
-    st, eos, prompts, jnp.where(mask > 0, resp, pad_id), S["logp"][:, P : P + N], mask, S["conf"], S["ntok"], conf_p
+    st,
+    eos,
+    prompts,
+    jnp.where(mask > 0, resp, pad_id),
+    S["logp"][:, P : P + N],
+    mask,
+    S["conf"],
+    S["ntok"],
+    conf_p,
+    S["ids"],
   )
   out.update(
     accept_rate=S["accepted"] / jnp.maximum(S["proposed"], 1),
@@ -147,7 +164,7 @@ def generate_spec(st: Shapes, variables, prompts, lens, sampling: Sampling, rng)
   B = prompts.shape[0]
   C = P + N + K + 2  # columns: every verify/draft write stays below C
   greedy = temp <= 0
-  v = cast_variables(variables, a.dtype)
+  v = cast_variables(variables, a.dtype, st.quantize)
   rows = jnp.arange(B)[:, None]
   take = lambda x, idx: jnp.take_along_axis(x, idx, axis=1)
 
@@ -167,7 +184,7 @@ def generate_spec(st: Shapes, variables, prompts, lens, sampling: Sampling, rng)
     j1 = jnp.arange(K + 1)
     x1 = take(S["toks"], (s + 1 + pad)[:, None])
     vseg = jnp.broadcast_to(active[:, None], (B, K + 1)).astype(jnp.int32)
-    logits, hid, cache, conf, ntok = model_call(
+    logits, hid, cache, conf, ntok, ids = model_call(
       a, v, jnp.concatenate([x1, drafts], 1), s[:, None] + 1 + j1, vseg, S["cache"], s + 1 + pad
     )
     lp = sampling_logprobs(noisy(keys[0], logits, noise), temp, top_p)  # p_0..p_K [B, K+1, V]
@@ -207,6 +224,7 @@ def generate_spec(st: Shapes, variables, prompts, lens, sampling: Sampling, rng)
       carries=carries,
       conf=accumulate(S["conf"], conf, ntok),
       ntok=S["ntok"] + ntok,
+      ids=record_expert_ids(S["ids"], ids, s + 1 + pad),  # rejected drafts' columns are rewritten by the next call
       accepted=S["accepted"] + jnp.sum(n * na),
       proposed=S["proposed"] + K * jnp.sum(na),
       calls=S["calls"] + jnp.sum(na),

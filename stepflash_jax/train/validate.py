@@ -8,8 +8,12 @@ from stepflash_jax.optim.muon import PE_SAFETY_SCHEDULES
 from stepflash_jax.parallel.mesh import check_rules, mesh_shape
 from stepflash_jax.parallel.mesh import config_error as _err
 from stepflash_jax.sampling import ENGINE_DTYPES  # numerics of the rollout / eval engine
+from stepflash_jax.sampling.quantize import QUANT_FORMATS
 
 OBJECTIVES = ("mispo", "ppo", "gspo", "tis")
+
+
+REPLAY_MODES = ("off", "always", "auto")  # rl.router_replay (docs/rl.md §8)
 
 
 def _positive(c, section, names):
@@ -88,6 +92,12 @@ def validate_run_config(c, num_devices: int | None = None) -> None:
       _err("rl.temperature", f"must be > 0, got {r.temperature}")
     if r.get("normalizer", "valid") not in ("valid", "kept"):
       _err("rl.normalizer", f"must be 'valid' or 'kept' (used by every objective), got {r.normalizer!r}")
+    if r.get("rollout_quantize", "none") not in ("none", *QUANT_FORMATS):
+      _err("rl.rollout_quantize", f"must be 'none' or one of {tuple(QUANT_FORMATS)}, got {r.rollout_quantize!r}")
+    if r.get("router_replay", "off") not in REPLAY_MODES:
+      _err("rl.router_replay", f"must be one of {REPLAY_MODES}, got {r.router_replay!r}")
+    if not 0 <= r.get("replay_threshold", 0.0) <= 1:
+      _err("rl.replay_threshold", f"must lie in [0, 1] (a routing confidence), got {r.replay_threshold}")
     kl_start = r.get("kl_start", 0)
     if isinstance(kl_start, bool) or not isinstance(kl_start, int) or kl_start < 0:
       _err("rl.kl_start", f"must be an integer generation index >= 0, got {kl_start!r}")
