@@ -6,17 +6,17 @@ import re
 import pytest
 
 from stepflash_jax.data import tasks
-from stepflash_jax.data.tasks import arithmetic, base, countdown
+from stepflash_jax.data.tasks import arithmetic, base, countdown, longmul
 
 SETTINGS = [
   (f, d, v)
-  for f in ("arithmetic", "countdown")
+  for f in ("arithmetic", "countdown", "longmul")
   for d in tasks.get_task(f).DIFFICULTIES
   for v in tasks.get_task(f).VARIANTS
 ]
 
 
-@pytest.mark.parametrize("family", ["arithmetic", "countdown"])
+@pytest.mark.parametrize("family", ["arithmetic", "countdown", "longmul"])
 def test_deterministic_by_seed(family):
   task = tasks.get_task(family)
   for d in task.DIFFICULTIES:
@@ -68,6 +68,31 @@ def test_arithmetic_traces_match_a_digit_reference():
         assert i == len(str(a)) - 1
         assert ex["answer"].endswith("</think>" + str(result))
         assert ex["metadata"]["a"] >= 10 ** (d - 1) and len(str(a)) == d
+
+
+def test_longmul_trace_against_schoolbook_arithmetic():
+  """Every partial product and running sum the trace states ("=N" entries) equals a * digit_j and the sum of the
+  shifted partials so far; each column "x*y+c=kd" / "x+y+c=kd" is right; the final answer is a * b."""
+  assert longmul.make_example(12, 34, 2)["answer"] == (
+    "<think>2*4+0=08,1*4+0=04,=48,2*3+0=06,1*3+0=03,=36,0+8+0=08,6+4+0=10,3+0+1=04,=408</think>408"
+  )
+  for s in range(40):
+    d = 2 + s % 4
+    ex = tasks.generate("longmul", s, d, "train")
+    a, b = ex["metadata"]["a"], ex["metadata"]["b"]
+    assert len(str(a)) == len(str(b)) == d
+    body = ex["answer"][len("<think>") : ex["answer"].index("</think>")]
+    stated = [int(x[1:]) for x in body.split(",") if x.startswith("=")]
+    digits = [int(c) for c in reversed(str(b))]
+    partials = [a * y for y in digits]
+    sums = [sum(p * 10**j for j, p in enumerate(partials[: k + 1])) for k in range(1, len(partials))]
+    assert stated == partials + sums and sums[-1] == a * b
+    for col in (x for x in body.split(",") if not x.startswith("=")):
+      x, op, y, c, k, dgt = re.fullmatch(r"(\d)([*+])(\d)\+(\d)=(\d)(\d)", col).groups()
+      val = int(x) * int(y) + int(c) if op == "*" else int(x) + int(y) + int(c)
+      assert val == 10 * int(k) + int(dgt), col
+    assert tasks.check(ex, f"<think>...</think>{a * b}") and not tasks.check(ex, f"<think>...</think>{a * b + 1}")
+  assert tasks.parse_mixture("long")[0].family == "longmul"
 
 
 def test_large_number_default_is_addition():

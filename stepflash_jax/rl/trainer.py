@@ -240,6 +240,7 @@ def generation_metrics(batch, gen, scored, scores, am, cm) -> dict:
     confidence_rollout=float(gen["routing_confidence"]),
     confidence_score=float(np.mean(list(conf.values()))) if conf else float("nan"),
     response_tokens=n_tok / len(batch["mask"]),
+    **{f"response_tokens_{k}": float(v) for k, v in zip(("p10", "p50", "p90", "max"), length_quantiles(batch))},
     value_mean=float(scores["values"].mean()),
     advantage_mean=float(scores["adv"].sum() / max(n_tok, 1)),
     skipped=float(sum(m["skipped"] for m in am) + sum(m["skipped"] for m in cm)),
@@ -252,6 +253,12 @@ def generation_metrics(batch, gen, scored, scores, am, cm) -> dict:
   metrics["flip_rate"] = float(np.mean(list(flips.values()))) if flips else 0.0
   metrics.update({f"flip_rate/{k}": float(v) for k, v in flips.items()})
   return metrics
+
+
+def length_quantiles(batch):
+  """The generation's response-length distribution: 10th, 50th, 90th percentile and maximum (tokens)."""
+  lens = batch["mask"].sum(1)
+  return (*np.percentile(lens, [10, 50, 90]), lens.max())
 
 
 def finish(config, workdir, acc0, acc, log):

@@ -16,7 +16,7 @@ import random
 from types import ModuleType
 from typing import Any, Mapping, Sequence
 
-from stepflash_jax.data.tasks import arithmetic, base, countdown
+from stepflash_jax.data.tasks import arithmetic, base, countdown, longmul
 from stepflash_jax.data.tasks.base import SPLITS, TEST_FRACTION, extract_answer, split_of
 
 _TASKS: dict[str, Any] = {}
@@ -46,6 +46,7 @@ def families() -> list[str]:
 
 register_task(arithmetic)
 register_task(countdown)
+register_task(longmul)
 
 
 def generate(family: str, seed: int, difficulty: int, split: str = "train", variant: Any = None) -> dict:
@@ -89,6 +90,8 @@ DEFAULT_MIXTURE = (
   MixtureComponent("arithmetic", (2, 3), 1.5, "*"),
   MixtureComponent("countdown", (3,), 2.0),
 )
+# Long reasoning (responses of ~200-220 tokens): 3-digit x 3-digit long multiplication with partial products.
+LONG_MIXTURE = (MixtureComponent("longmul", (3,), 1.0),)
 # SFT stage 2 of the report: out-of-distribution synthetic large-number arithmetic (6-12 digit additions).
 LARGE_NUMBER_MIXTURE = (MixtureComponent("arithmetic", tuple(range(6, 13)), 1.0, "+"),)
 
@@ -96,14 +99,14 @@ LARGE_NUMBER_MIXTURE = (MixtureComponent("arithmetic", tuple(range(6, 13)), 1.0,
 def parse_mixture(spec: str | Sequence[MixtureComponent]) -> tuple[MixtureComponent, ...]:
   """Mixture from a config string 'family[/variant]:d|dlo-dhi[:weight],...' (or pass components through).
 
-  "default" and "large_number" name the presets above. Example: "arithmetic/+:2-4:3,countdown:3:1".
+  "default", "long" and "large_number" name the presets above. Example: "arithmetic/+:2-4:3,countdown:3:1".
   """
   if not isinstance(spec, str):
     comps = tuple(spec)
     if not comps or not all(isinstance(c, MixtureComponent) for c in comps):
       raise ValueError("mixture must be a spec string or a non-empty sequence of MixtureComponent")
     return comps
-  presets = {"default": DEFAULT_MIXTURE, "large_number": LARGE_NUMBER_MIXTURE}
+  presets = {"default": DEFAULT_MIXTURE, "large_number": LARGE_NUMBER_MIXTURE, "long": LONG_MIXTURE}
   if spec.strip() in presets:
     return presets[spec.strip()]
   comps = []
@@ -136,6 +139,7 @@ __all__ = [
   "TEST_FRACTION",
   "DEFAULT_MIXTURE",
   "LARGE_NUMBER_MIXTURE",
+  "LONG_MIXTURE",
   "MixtureComponent",
   "check",
   "extract_answer",

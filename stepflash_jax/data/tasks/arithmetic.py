@@ -30,12 +30,12 @@ LARGE_NUMBER_MIN_DIGITS = 6
 _INT_RE = re.compile(r"^-?\d{1,64}$")
 
 
-def _operand(rng, digits: int) -> int:
+def operand(rng, digits: int) -> int:
   lo = 0 if digits == 1 else 10 ** (digits - 1)
   return rng.randint(lo, 10**digits - 1)
 
 
-def _columns(a: int, b: int, op: str) -> list[str]:
+def columns(a: int, b: int, op: str) -> list[str]:
   """The column trace of a OP b (a has the most digits), least significant column first."""
   cols, carry = [], 0
   for i, xc in enumerate(reversed(str(a))):
@@ -75,7 +75,7 @@ def make_example(a: int, b: int, op: str, difficulty: int) -> dict:
   metadata = dict(op=op, a=a, b=b)
   return dict(
     prompt=f"Compute {a}{op}{b}",
-    answer=base.think(",".join(_columns(a, b, op)), str(result)),
+    answer=base.think(",".join(columns(a, b, op)), str(result)),
     family=FAMILY,
     difficulty=difficulty,
     metadata=metadata,
@@ -93,8 +93,8 @@ def generate(seed: int, difficulty: int, split: str = "train", variant: str | No
     op = variant
     if op is None:
       op = "+" if d >= LARGE_NUMBER_MIN_DIGITS else rng.choice(("+", "-", "*"))
-    a = _operand(rng, d)
-    b = rng.randint(2, 9) if op == "*" else _operand(rng, d)
+    a = operand(rng, d)
+    b = rng.randint(2, 9) if op == "*" else operand(rng, d)
     if op == "-" and b > a:
       a, b = b, a
     if base.split_of(canonical(dict(op=op, a=a, b=b))) == split:
