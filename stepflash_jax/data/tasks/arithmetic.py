@@ -84,11 +84,7 @@ def make_example(a: int, b: int, op: str, difficulty: int) -> dict:
 
 def generate(seed: int, difficulty: int, split: str = "train", variant: str | None = None) -> dict:
   """A deterministic problem of `split` from `seed`; see the module docstring for the format."""
-  base.check_split(split)
-  d = base.check_difficulty(difficulty, DIFFICULTIES, FAMILY)
-  if variant not in VARIANTS:
-    raise ValueError(f"variant for {FAMILY!r} must be one of {VARIANTS}, got {variant!r}")
-  rng = base.rng_for(FAMILY, seed, d, split, variant)
+  d, rng = base.generator_rng(FAMILY, DIFFICULTIES, VARIANTS, seed, difficulty, split, variant)
   for _ in range(base.MAX_REJECTION_TRIES):
     op = variant
     if op is None:

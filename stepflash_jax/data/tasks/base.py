@@ -61,6 +61,15 @@ def rng_for(family: str, seed: int, difficulty: int, split: str, variant: Any) -
   return random.Random(derive_seed(family, seed, difficulty, split, variant))
 
 
+def generator_rng(family: str, difficulties, variants, seed, difficulty, split, variant) -> tuple[int, random.Random]:
+  """A family's `generate` arguments checked against its DIFFICULTIES / VARIANTS -> (difficulty, its RNG)."""
+  check_split(split)
+  d = check_difficulty(difficulty, difficulties, family)
+  if variant not in variants:
+    raise ValueError(f"variant for {family!r} must be one of {variants}, got {variant!r}")
+  return d, rng_for(family, seed, d, split, variant)
+
+
 def metadata_of(example_or_metadata: Mapping[str, Any]) -> Mapping[str, Any]:
   """Accepts either a whole example (with a 'metadata' field) or the metadata dict itself."""
   if not isinstance(example_or_metadata, Mapping):

@@ -46,11 +46,7 @@ def _apply(x: int, op: str, y: int) -> int:
 
 def generate(seed: int, difficulty: int, split: str = "train", variant: str | None = None) -> dict:
   """A deterministic problem of `split` from `seed`; see the module docstring for the format."""
-  base.check_split(split)
-  n = base.check_difficulty(difficulty, DIFFICULTIES, FAMILY)
-  if variant not in VARIANTS:
-    raise ValueError(f"variant for {FAMILY!r} must be one of {VARIANTS}, got {variant!r}")
-  rng = base.rng_for(FAMILY, seed, n, split, variant)
+  n, rng = base.generator_rng(FAMILY, DIFFICULTIES, VARIANTS, seed, difficulty, split, variant)
   for _ in range(base.MAX_REJECTION_TRIES):
     numbers = [rng.randint(1, max_number(n)) for _ in range(n)]
     order = rng.sample(range(n), n)

@@ -57,11 +57,7 @@ def make_example(a: int, b: int, difficulty: int) -> dict:
 
 def generate(seed: int, difficulty: int, split: str = "train", variant: str | None = None) -> dict:
   """A deterministic d-digit x d-digit problem of `split` from `seed`."""
-  base.check_split(split)
-  d = base.check_difficulty(difficulty, DIFFICULTIES, FAMILY)
-  if variant not in VARIANTS:
-    raise ValueError(f"variant for {FAMILY!r} must be one of {VARIANTS}, got {variant!r}")
-  rng = base.rng_for(FAMILY, seed, d, split, variant)
+  d, rng = base.generator_rng(FAMILY, DIFFICULTIES, VARIANTS, seed, difficulty, split, variant)
   for _ in range(base.MAX_REJECTION_TRIES):
     a, b = operand(rng, d), operand(rng, d)
     if base.split_of(canonical(dict(a=a, b=b))) == split:
