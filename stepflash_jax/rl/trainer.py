@@ -191,10 +191,8 @@ def score_generation(fns, state, ref, batch, scored, rc, mesh, rules, replay=Fal
   if replay:  # the same statistics without replay, for comparison
     own = fns.mismatch({"logp_old": logp_own, "logp_rollout": jb["logp_rollout"], "mask": jb["mask"]})
     mismatch.update({f"{k}_noreplay": v for k, v in own.items() if k.startswith("logp_abs_diff")})
-  host = parallel.to_host(
-    dict(logp_old=logp_old, logp_ref=logp_ref, adv=adv, returns=ret, entropy=entropy, conf=conf, values=out["values"])
-    | {"flips": flips}
-  )
+  host = dict(logp_old=logp_old, logp_ref=logp_ref, adv=adv, returns=ret, entropy=entropy, conf=conf, flips=flips)
+  host = parallel.to_host({**host, "values": out["values"]})
   batch.update({k: np.asarray(host.pop(k)) for k in ("logp_old", "logp_ref", "returns")})
   batch["adv"] = np.asarray(host["adv"])  # one host copy, shared with the returned scores
   return {**host, "mismatch": parallel.to_host(mismatch)}

@@ -51,11 +51,11 @@ def empty_expert_ids(args, batch: int, columns: int) -> dict:
 
 def record_expert_ids(buf: dict, ids: dict, cols):
   """Write a call's chosen experts {layer: [B, t, k]} into buf {layer: [B, C, k]} at columns cols.. (int or [B])."""
-  t = next(iter(ids.values())).shape[1] if ids else 0
-  B = next(iter(ids.values())).shape[0] if ids else 0
+  if not buf:
+    return buf
+  B, t = next(iter(ids.values())).shape[:2]
   where = jnp.broadcast_to(jnp.asarray(cols, jnp.int32).reshape(-1, 1), (B, 1)) + jnp.arange(t)[None]
-  rows = jnp.arange(B)[:, None]
-  return {k: buf[k].at[rows, where].set(ids[k], mode="drop") for k in buf}
+  return {k: buf[k].at[jnp.arange(B)[:, None], where].set(ids[k], mode="drop") for k in buf}
 
 
 def mtp_call(args, v, k, h, tokens, positions, segment_ids, cache, cache_index):
