@@ -2,6 +2,7 @@
 
   python experiments/run.py --config=configs/mispo.py            # 34 min on 2 cores (Xeon @ 2.00GHz), runs/mispo
   python experiments/run.py --config=configs/mispo.py:small      # ~3 minute smoke run of every stage
+  python experiments/run.py --config=configs/mispo.py:pretrained # SFT from the pre-training stage (configs/pretrain.py)
 configs/ppo.py and configs/gspo.py are this file with another objective (same budget, same seeds).
 Measured 2026-12-01 (Intel Xeon @ 2.00GHz, 2 cores): held-out exact match (1344 problems) 0.574 after SFT -> 0.687 /
 0.687 / 0.674 after RL (+11.3 / +11.2 / +10.0 for RL seeds 0 / 1 / 2 from that run's SFT checkpoint at this actor
@@ -13,7 +14,7 @@ from configs import sft as sft_config
 
 
 def get_config(arg: str = ""):
-  small = arg == "small"
+  small = "small" in sft_config.options(arg)
   c = sft_config.get_config(arg)
   c.job = "rl"
   # A shorter SFT than configs/sft.py (400 steps): ~57% held-out leaves RL room to improve. (200 steps, ~38%, then

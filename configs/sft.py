@@ -14,8 +14,20 @@ from stepflash_jax.config import load_config_file
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+OPTIONS = ("small", "pretrained")
+
+
+def options(arg: str, allowed=OPTIONS) -> set:
+  """The options after a config path ("small,pretrained" -> {"small", "pretrained"}); unknown ones are an error."""
+  opts = set(filter(None, (arg or "").split(",")))
+  if opts - set(allowed):
+    raise ValueError(f"unknown config option(s) {sorted(opts - set(allowed))}; known: {list(allowed)}")
+  return opts
+
+
 def get_config(arg: str = ""):
-  small = arg == "small"
+  opts = options(arg)
+  small = "small" in opts
   c = ml_collections.ConfigDict()
   c.job = "sft"
   c.seed = 0
@@ -44,6 +56,7 @@ def get_config(arg: str = ""):
   c.train.steps = 60 if small else 400  # held-out exact match: 50% after 250 steps, 76% after 500
   c.train.mtp_weight = 0.1  # report §4 (docs/training.md §2): 0.3 early pre-training, 0.1 in mid-training and SFT
   c.train.freeze_router = True  # SFT: router frozen ...
+  c.train.router_lr_scale = 1.0  # the router's learning rate relative to the rest, when it trains
   c.train.router_bias_rate = 0.0  # ... and aux-loss-free bias balancing off (pre-training: 0.001)
   c.train.ep_balance_coef = 0.0  # EP-group balance loss off in SFT (pre-training: 0.001)
   c.train.ep_groups = 1
@@ -51,6 +64,7 @@ def get_config(arg: str = ""):
   c.train.eval_every = 30 if small else 200
   c.train.checkpoint_every = 30 if small else 100
   c.train.keep_checkpoints = 2
+  c.train.init_from = ""  # with a `pretrain` section: its run directory ("" = <workdir>/pretrain)
 
   c.eval = ml_collections.ConfigDict()
   c.eval.num_examples = 32 if small else 128
@@ -60,4 +74,8 @@ def get_config(arg: str = ""):
   c.eval.dtype = "float32"  # numerics of the greedy eval engine ("bfloat16" = the rollout engine's)
 
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, expert=1, tensor=1))
+  if "pretrained" in opts:
+    from configs import pretrain  # configs/pretrain.py builds on this file
+
+    c.pretrain = pretrain.get_config("small" if small else "")
   return c

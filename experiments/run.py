@@ -1,4 +1,4 @@
-"""The entry point: SFT, or the full pipeline SFT -> RL (MIS-PO / PPO / GSPO / TIS), chosen by the config.
+"""The entry point: pre-training, SFT, or SFT -> RL (MIS-PO / PPO / GSPO / TIS), chosen by the config's `job`.
 
   python experiments/run.py --config=configs/mispo.py                       # the main job (34 min on 2 cores)
   python experiments/run.py --config=configs/sft.py --workdir=runs/sft --config.train.steps=200
@@ -54,11 +54,12 @@ def main(argv):
     sys.exit(f"error: {e}")
   workdir = _WORKDIR.value or default_workdir(config_flags.get_config_filename(flags.FLAGS["config"]))
   print(f"writing to {os.path.abspath(workdir)}", flush=True)
-  if config.job == "sft":
+  if config.job in ("sft", "pretrain"):
     from stepflash_jax.train import sft
 
     out = sft.train(config, workdir)
-    print(f"SFT done: step {out['step']}, held-out accuracy {out['accuracy']['accuracy']:.3f}")
+    done = f"{config.job} done: step {out['step']}"
+    print(done if out["accuracy"] is None else f"{done}, held-out accuracy {out['accuracy']['accuracy']:.3f}")
   elif config.job == "rl":
     from stepflash_jax.rl import trainer
 

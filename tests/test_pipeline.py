@@ -76,6 +76,22 @@ def test_sft_batches_are_the_examples_and_never_cross_documents(tok):
   assert sorted(got) == ref  # every example exactly once, nothing cut
 
 
+def test_text_form_is_the_plain_example_with_loss_everywhere(tok):
+  kw = dict(batch_size=4, seq_len=96, seed=3, num_examples=32, num_epochs=1, drop_remainder=False)
+  exs = list(pipeline.example_dataset(seed=3, num_examples=32, num_epochs=1))
+  ref = sorted(
+    tuple([tok.bos_id] + tok.encode(e["prompt"] + "\n" + e["answer"]) + [tok.eos_id]) for e in exs
+  )  # independent of the chat template: no <|user|> / <|assistant|> markers
+  got = []
+  for b in pipeline.sft_dataset(tok, form="text", **kw):
+    np.testing.assert_array_equal(b["loss_mask"], (b["segment_ids"] > 0).astype(np.float32))
+    for r, s, sl in _segments(b):
+      toks = b["tokens"][r, sl]
+      assert tok.assistant_id not in toks and tok.user_id not in toks
+      got.append(tuple(np.concatenate([toks, b["targets"][r, sl][-1:]])))
+  assert sorted(got) == ref
+
+
 def test_sft_fill_and_shuffle_by_seed(tok):
   def first(seed):
     return next(iter(pipeline.sft_dataset(tok, batch_size=8, seq_len=128, seed=seed)))
@@ -150,6 +166,8 @@ def test_bad_arguments(tok):
     next(iter(pipeline.sft_dataset(tok, batch_size=2, seq_len=20)))
   with pytest.raises(ValueError, match="batch_size"):
     pipeline.sft_dataset(tok, batch_size=0, seq_len=64)
+  with pytest.raises(ValueError, match="form must be one of"):
+    pipeline.sft_dataset(tok, batch_size=2, seq_len=64, form="markdown")
   with pytest.raises(ValueError, match="pad_side"):
     pipeline.prompt_dataset(tok, batch_size=2, pad_side="middle")
   with pytest.raises(ValueError, match="max_prompt_len"):

@@ -78,3 +78,31 @@ def test_bad_replay_input_names_the_entry():
       model_lib.apply(cfg, v, tokens, replay_experts=d)
   with pytest.raises(ValueError, match="replay_experts must be a dict"):
     model_lib.apply(cfg, v, tokens, replay_experts=[1, 2])
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_routing_metrics_per_layer(scan):
+  """routing_metrics against the chosen experts (load = their counts) and the bias values themselves."""
+  from stepflash_jax.model.moe import routing_metrics
+
+  cfg, v, tokens = _setup(scan)
+  rng = np.random.default_rng(0)
+  v = {**v, "router": jax.tree.map(lambda b: jnp.asarray(rng.normal(size=b.shape), jnp.float32), v["router"])}
+  _, st = jax.jit(lambda v: model_lib.apply(cfg, v, tokens, stats=True))(v)
+  m = routing_metrics(st, v["router"])
+  layers = sorted(st["expert_ids"])
+  assert sorted(k[len("routing/load_imbalance/") :] for k in m if k.startswith("routing/load_imbalance/")) == layers
+  biases = dict(zip(layers, [np.asarray(b) for b in jax.tree.leaves(v["router"])]))
+  if scan:  # one leaf per scanned sub-layer [blocks, E]: names "<sub-layer path>[block]"
+    biases = {}
+    for p, b in jax.tree_util.tree_flatten_with_path(v["router"])[0]:
+      where = "/".join(str(k.key) for k in p[:-1] if k.key != "moe")
+      biases.update({f"{where}[{i}]": np.asarray(b[i]) for i in range(b.shape[0])})
+  imbalance = []
+  for name in layers:
+    counts = np.bincount(np.asarray(st["expert_ids"][name]).ravel(), minlength=cfg.num_experts)
+    imbalance.append(counts.max() / counts.mean())
+    np.testing.assert_allclose(m[f"routing/load_imbalance/{name}"], imbalance[-1], rtol=1e-6)
+    np.testing.assert_allclose(m[f"routing/bias_norm/{name}"], np.linalg.norm(biases[name]), rtol=1e-6)
+    assert 0 < float(m[f"routing/confidence/{name}"]) <= 1
+  np.testing.assert_allclose(m["routing/load_imbalance"], np.mean(imbalance), rtol=1e-6)

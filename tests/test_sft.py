@@ -29,6 +29,8 @@ def test_frozen_router_mask():
   m = step_lib.frozen_mask(params, True)
   assert m["layer_2"]["moe"]["router"]["kernel"] == 0.0 and m["layer_2"]["moe"]["gate_proj"]["kernel"] == 1.0
   assert step_lib.frozen_mask(params, False)["layer_2"]["moe"]["router"]["kernel"] == 1.0
+  scaled = step_lib.frozen_mask(params, False, router_lr_scale=4.0)["layer_2"]["moe"]
+  assert scaled["router"]["kernel"] == 4.0 and scaled["gate_proj"]["kernel"] == 1.0
 
 
 def test_non_finite_step_is_skipped():
@@ -102,3 +104,70 @@ def test_bad_eval_dtype_names_the_field():
   cfg.eval.dtype = "float16"
   with pytest.raises(ValueError, match="config field 'eval.dtype'"):
     validate_run_config(cfg)
+
+
+def test_pretrain_then_sft_starts_from_its_weights(tmp_path):
+  """configs/sft.py:small,pretrained: the pre-training stage runs first (router trained, bias balancing on, routing
+  statistics logged per MoE layer), then SFT starts from its weights; a second SFT reuses the finished stage."""
+  import orbax.checkpoint as ocp
+
+  base = _cmd(tmp_path / "sft")
+  cmd = base[:2] + ["--config=" + os.path.join(ROOT, "configs", "sft.py:small,pretrained")]
+  cmd += [a for a in base[3:] if "train.steps" not in a] + [
+    "--config.train.steps=2",  # step 1 runs at learning rate 0 (warmup)
+    "--config.pretrain.train.steps=3",
+    "--config.pretrain.data.batch_size=4",
+    "--config.pretrain.data.seq_len=64",
+  ]
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  out = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True, timeout=600)
+  assert "starting from the pre-training run" in out.stdout
+  pre = tmp_path / "sft" / "pretrain"
+  rows = [json.loads(l) for l in open(pre / "metrics_pretrain.jsonl")]
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  moe = [k for k in rows[-1] if k.startswith("routing/confidence/layer_")]
+  assert len(moe) == 8  # tiny model: MoE layers 2..9
+  assert rows[0]["routing/bias_norm"] > 0  # the bias moved (0.001 * sign per expert: norm sqrt(8) * 0.001)
+  np.testing.assert_allclose(rows[0]["routing/bias_norm/layer_2"], 0.001 * np.sqrt(8), rtol=1e-5)
+
+  def variables(d, step):
+    state = ocp.StandardCheckpointer().restore(os.path.abspath(d / "checkpoints" / str(step) / "state"))
+    return state["params"], state["router"]
+
+  (p0, r0), (p1, r1) = variables(pre, 3), variables(tmp_path / "sft", 2)
+  router_w = lambda p: np.asarray(p["layer_2"]["moe"]["router"]["kernel"])
+  assert np.array_equal(router_w(p0), router_w(p1))  # frozen in SFT: exactly the pre-trained router
+  np.testing.assert_array_equal(r0["layer_2"]["moe"]["router_bias"], r1["layer_2"]["moe"]["router_bias"])
+  embed = lambda p: np.asarray(p["embed"]["embedding"])
+  assert 0 < np.abs(embed(p0) - embed(p1)).max() < 0.1  # one SFT update away from the pre-trained weights
+  rerun = subprocess.run(
+    [a.replace("train.steps=2", "train.steps=3") for a in cmd], env=env, capture_output=True, text=True, timeout=600
+  )
+  assert rerun.returncode == 0, rerun.stderr[-2000:]
+  assert "sft: resumed from step 2" in rerun.stdout and "starting from the pre-training" not in rerun.stdout
+
+
+def test_bad_pretrain_fields_name_the_field():
+  from stepflash_jax.config import load_config_file
+  from stepflash_jax.train.validate import validate_run_config
+
+  sft = lambda arg: load_config_file(os.path.join(ROOT, "configs", "sft.py"), arg)
+  cfg = sft("small")
+  cfg.train.init_from = "runs/pretrain"
+  with pytest.raises(ValueError, match="config field 'train.init_from'"):
+    validate_run_config(cfg)
+  cfg = sft("small,pretrained")
+  validate_run_config(cfg)
+  cfg.pretrain.train.ep_groups = 3
+  with pytest.raises(ValueError, match="config field 'pretrain.train.ep_groups'"):
+    validate_run_config(cfg)
+  cfg = sft("small,pretrained")
+  cfg.pretrain.model.num_experts = 16
+  with pytest.raises(ValueError, match="config field 'pretrain.model'"):
+    validate_run_config(cfg)
+  cfg = sft("small")
+  cfg.job = "finetune"
+  with pytest.raises(ValueError, match="config field 'job'"):
+    validate_run_config(cfg)
+  with pytest.raises(ValueError, match="unknown config option"):
+    sft("smal")

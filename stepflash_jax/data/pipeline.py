@@ -5,12 +5,14 @@ Stream of examples (both pipelines):
   example i = tasks.sample_example(mixture, data_seed, i, split): the problem set is fixed by `data_seed`,
   the order by `seed` (reshuffled every epoch). No worker processes or threads by default (num_threads=0).
 
-SFT (sft_dataset): each example -> chat-template ids x [T] and loss mask m [T] (tokenizer.format_example);
-one document = (inputs x[:-1], targets x[1:], loss_mask m[1:]), so a target never belongs to another document.
+SFT (sft_dataset): each example -> ids x [T] and loss mask m [T]; form="chat" (SFT): the chat template
+(tokenizer.format_example), m = 1 on the assistant's tokens; form="text" (pre-training corpus): plain text
+[bos] prompt "\n" answer [eos], m = 1 everywhere. One document = (inputs x[:-1], targets x[1:], loss_mask m[1:]),
+so a target never belongs to another document.
 Documents are packed by grain's FirstFitPackIterDataset into rows of seq_len tokens and batched:
     tokens      [B, L] int32    input ids, pad_id (0) on padding
     targets     [B, L] int32    next token of the same document, pad_id on padding
-    loss_mask   [B, L] float32  1 where the target is an assistant token (answer + eos), else 0 (0 on padding)
+    loss_mask   [B, L] float32  1 where the target is trained on (chat: answer + eos; text: every token), 0 on padding
     segment_ids [B, L] int32    1..n for the n documents of a row, 0 on padding
     positions   [B, L] int32    0, 1, ... restarting at every document, 0 on padding
 The model must restrict attention to equal segment_ids (ops.sliding_window_attention(segment_ids=...)) and
@@ -77,9 +79,17 @@ def _read_options(num_threads: int) -> grain.ReadOptions:
   return grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=2 * num_threads)
 
 
-def document(tokenizer: Tokenizer, example: dict, seq_len: int) -> dict:
+FORMS = ("chat", "text")
+
+
+def document(tokenizer: Tokenizer, example: dict, seq_len: int, form: str = "chat") -> dict:
   """One packable document: inputs / targets / loss_mask, each [T-1] (see module docstring)."""
-  ids, mask = tokenizer.format_example(example["prompt"], example["answer"])
+  if form == "chat":
+    ids, mask = tokenizer.format_example(example["prompt"], example["answer"])
+  else:
+    ids = np.asarray([tokenizer.bos_id] + tokenizer.encode(f"{example['prompt']}\n{example['answer']}"), np.int32)
+    ids = np.append(ids, np.int32(tokenizer.eos_id))
+    mask = np.ones(len(ids), np.float32)
   if len(ids) - 1 > seq_len:
     raise ValueError(
       f"seq_len={seq_len} is shorter than an example ({len(ids) - 1} tokens after the shift): "
@@ -113,8 +123,9 @@ def sft_dataset(
   num_packing_bins: int | None = None,
   drop_remainder: bool = True,
   num_threads: int = 0,
+  form: str = "chat",
 ) -> grain.IterDataset:
-  """IterDataset of packed SFT batches (dict format in the module docstring).
+  """IterDataset of packed SFT batches (dict format in the module docstring); form "chat" or "text".
 
   num_packing_bins (default 2 * batch_size): rows packed at once by first-fit; more bins = less padding.
   Packed rows are shuffled with `seed` before batching.
@@ -124,6 +135,8 @@ def sft_dataset(
   bins = _check_positive("num_packing_bins", num_packing_bins or 2 * batch_size)
   if tokenizer.pad_id != 0:
     raise ValueError(f"tokenizer.pad_id must be 0 (padding of packed rows), got {tokenizer.pad_id}")
+  if form not in FORMS:
+    raise ValueError(f"form must be one of {FORMS}, got {form!r}")
   ds = example_dataset(
     mixture=mixture,
     split=split,
@@ -133,7 +146,7 @@ def sft_dataset(
     num_epochs=num_epochs,
     shuffle=shuffle,
   )
-  docs = ds.map(lambda ex: document(tokenizer, ex, seq_len)).to_iter_dataset(_read_options(num_threads))
+  docs = ds.map(lambda ex: document(tokenizer, ex, seq_len, form)).to_iter_dataset(_read_options(num_threads))
   return pack_and_batch(
     docs,
     batch_size=batch_size,

@@ -1,10 +1,17 @@
-"""Supervised fine-tuning (docs/training.md §2): next-token + MTP loss, Muon, warmup + cosine, frozen router.
+"""Next-token training: SFT (docs/training.md §2) and pre-training (§3): next-token + MTP loss, Muon, warmup + cosine.
 
   loss = CE(main head, next token) + mtp_weight * mean_k CE(MTP module k, token t+k+2)     (all CE in fp32)
 
 Each CE is averaged over the assistant tokens of the batch (loss_mask), never across packed documents
 (segment ids reach the attention). One jitted step: grads -> global-norm clip 1.0 -> Muon/AdamW; a step with
-a non-finite loss or gradient is skipped (params and optimizer state unchanged) and reported as `skipped=1`.
+a non-finite loss or gradient is skipped (params, router bias and optimizer state unchanged) and reported as
+`skipped=1`. Every step logs the routing statistics per MoE layer (`moe.routing_metrics`).
+
+job "sft": chat-formatted examples, loss on the assistant's tokens, router frozen (config.train.freeze_router), held-out
+accuracy. job "pretrain": the same examples as plain text, loss on every token, router trained with aux-loss-free
+bias balancing and the EP-group balance loss; no accuracy eval (the model has not seen the chat format).
+An SFT config with a `pretrain` section starts from that pre-training run (trained first, or reused when finished)
+in `train.init_from` ("" = <workdir>/pretrain).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from stepflash_jax import model as model_lib
 from stepflash_jax import parallel
 from stepflash_jax.train import state as state_lib
 from stepflash_jax.data import future_targets, load_tokenizer, sft_dataset
-from stepflash_jax.model.moe import ep_balance_loss, update_router_bias
+from stepflash_jax.model.moe import ep_balance_loss, routing_metrics, update_router_bias
 from stepflash_jax.train import evaluate
 from stepflash_jax.train.checkpoint import Checkpointer
 from stepflash_jax.train.metrics import MetricsWriter, Progress, plot_metrics
@@ -70,24 +77,39 @@ def make_train_step(args, tx, tcfg, lr_fn, mask):
     params, opt, gnorm, skipped = guarded_update(state, grads, loss, tx, mask)
     router = state["router"]
     if tcfg.router_bias_rate > 0:
-      router = update_router_bias(router, stats, tcfg.router_bias_rate)
+      new = update_router_bias(router, stats, tcfg.router_bias_rate)
+      router = jax.tree.map(lambda a, b: jnp.where(skipped > 0, b, a), new, router)
     metrics.update(total_loss=loss, grad_norm=gnorm, skipped=skipped, lr=lr_fn(state["step"]))
+    metrics.update(routing_metrics(stats, router))
     return {**state, "params": params, "opt": opt, "router": router, "step": state["step"] + 1}, metrics
 
   return step
 
 
 def train(config, workdir: str, log=print):
-  """Run (or resume) SFT into workdir on the mesh of config.mesh; returns {"variables", "accuracy", "step", ...}."""
+  """Run (or resume) SFT or pre-training (config.job) into workdir on the mesh of config.mesh; returns
+  {"variables", "accuracy" (None for pre-training), "step", "tokenizer"}. A finished run is restored, not retrained."""
   mesh, rules = parallel.make_mesh(config.mesh), parallel.rules(config)
   with parallel.use_mesh(mesh, rules):
     return _train(config, workdir, log, mesh, rules)
+
+
+def _start_variables(config, workdir, log, mesh, rules):
+  """The SFT stage's starting point: the pre-training run of config.pretrain (run or resumed there first), else
+  a fresh init from config.seed."""
+  if config.get("pretrain") is None:
+    return state_lib.init_variables(model_lib.as_args(config.model), jax.random.key(config.seed), mesh, rules)
+  pre_dir = config.train.get("init_from") or os.path.join(workdir, "pretrain")
+  log(f"sft: starting from the pre-training run in {pre_dir}")
+  return _train(config.pretrain, pre_dir, log, mesh, rules)["variables"]
 
 
 def _train(config, workdir, log, mesh, rules):
   os.makedirs(workdir, exist_ok=True)
   args = model_lib.as_args(config.model)
   t = config.train
+  stage = "pretrain" if config.job == "pretrain" else "sft"  # an RL config's SFT stage has job "rl"
+  pretrain = stage == "pretrain"
   tok = load_tokenizer(config.data.tokenizer_dir or None, vocab_size=config.model.vocab_size)
   data = sft_dataset(
     tok,
@@ -95,38 +117,45 @@ def _train(config, workdir, log, mesh, rules):
     seq_len=config.data.seq_len,
     mixture=config.data.mixture,
     seed=config.seed,
+    form="text" if pretrain else "chat",
   )
   it = iter(data)
   lr_fn = lr_schedule(config.optim.lr, t.steps, config.optim.warmup_frac, config.optim.end_lr_frac)
   tx = make_optimizer(config.optim, lr_fn)
-  variables = state_lib.init_variables(args, jax.random.key(config.seed), mesh, rules)  # created sharded
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=t.keep_checkpoints)
+  start = ckpt.latest_step()
+  if start is None:
+    variables = _start_variables(config, workdir, log, mesh, rules)  # created sharded
+  else:  # the shapes to restore into
+    variables = state_lib.init_variables(args, jax.random.key(config.seed), mesh, rules)
   state = {
     "params": variables["params"],
     "router": variables["router"],
     "opt": state_lib.init_opt_state(tx, variables["params"], args, mesh, rules),
     "step": jnp.int32(0),
   }
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=t.keep_checkpoints)
-  start = ckpt.latest_step()
   if start is not None:
     state, extra = ckpt.restore(start, target=state)
     it.set_state(extra["data"])
-    log(f"sft: resumed from step {start} in {workdir}")
+    log(f"{stage}: resumed from step {start} in {workdir}")
   start = start or 0
-  writer = MetricsWriter(workdir, "sft", resume_step=start)
-  step_fn = make_train_step(args, tx, t, lr_fn, frozen_mask(state["params"], t.freeze_router))
-  eval_set = evaluate.heldout_examples(config)
-  prog = Progress(
-    t.steps, every=t.log_every, desc="sft", keys=["loss", "mtp1_loss", "grad_norm", "lr"], start_step=start
+  writer = MetricsWriter(workdir, stage, resume_step=start)
+  step_fn = make_train_step(
+    args, tx, t, lr_fn, frozen_mask(state["params"], t.freeze_router, t.get("router_lr_scale", 1.0))
   )
+  eval_set = None if pretrain else evaluate.heldout_examples(config)
+  keys = ["loss", "mtp1_loss", "grad_norm", "lr"] + (
+    ["routing/confidence", "routing/load_imbalance"] if pretrain else []
+  )
+  prog = Progress(t.steps, every=t.log_every, desc=stage, keys=keys, start_step=start)
   acc = None
   for step in range(start, t.steps):
     batch = parallel.shard_batch(next(it), mesh, rules)
     state, metrics = step_fn(state, batch)
     metrics = {k: float(v) for k, v in metrics.items()}
     if metrics["skipped"]:
-      log(f"sft: step {step + 1} skipped (non-finite loss or gradient)")
-    if due(step + 1, t.eval_every, t.steps):
+      log(f"{stage}: step {step + 1} skipped (non-finite loss or gradient)")
+    if eval_set is not None and due(step + 1, t.eval_every, t.steps):
       acc = evaluate.accuracy(config, {"params": state["params"], "router": state["router"]}, tok, eval_set)
       metrics.update({f"eval/{k}": v for k, v in acc.items()})
     writer.write(step + 1, metrics)
@@ -135,13 +164,14 @@ def _train(config, workdir, log, mesh, rules):
       ckpt.save(step + 1, state, {"data": it.get_state()}, force=True)
   writer.close()
   ckpt.wait()
+  shown = ["routing/confidence", "routing/load_imbalance", "routing/bias_norm"] if pretrain else ["eval/accuracy"]
   plot_metrics(
-    os.path.join(workdir, "metrics_sft.jsonl"),
-    ["loss", "mtp1_loss", "grad_norm", "lr", "eval/accuracy"],
-    os.path.join(workdir, "sft.png"),
-    title="SFT",
+    os.path.join(workdir, f"metrics_{stage}.jsonl"),
+    ["loss", "mtp1_loss", "grad_norm", "lr"] + shown,
+    os.path.join(workdir, f"{stage}.png"),
+    title=stage,
   )
-  if acc is None:  # resumed after the last step: evaluate the restored state
+  if acc is None and eval_set is not None:  # resumed after the last step: evaluate the restored state
     acc = evaluate.accuracy(config, {"params": state["params"], "router": state["router"]}, tok, eval_set)
   return {
     "variables": {"params": state["params"], "router": state["router"]},

@@ -33,12 +33,15 @@ def make_optimizer(ocfg, lr) -> optax.GradientTransformation:
   )
 
 
-def frozen_mask(params, freeze_router: bool):
-  """1.0 for trainable leaves, 0.0 for the router weights when frozen (their update, incl. decay, is zeroed)."""
+def frozen_mask(params, freeze_router: bool, router_lr_scale: float = 1.0):
+  """Per-leaf update scale: 1.0 for trainable leaves; for the router weights 0.0 when frozen (their update, incl.
+  decay, is zeroed), else router_lr_scale (their learning rate relative to the rest)."""
 
   def m(path, _):
     names = [getattr(p, "key", "") for p in path]
-    return 0.0 if (freeze_router and "router" in names) else 1.0
+    if "router" not in names:
+      return 1.0
+    return 0.0 if freeze_router else float(router_lr_scale)
 
   return jax.tree_util.tree_map_with_path(m, params)
 

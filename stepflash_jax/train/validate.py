@@ -23,7 +23,12 @@ def _positive(c, section, names):
       _err(f"{section}.{n}", f"must be > 0, got {v!r}")
 
 
+JOBS = ("pretrain", "sft", "rl")
+
+
 def validate_run_config(c, num_devices: int | None = None) -> None:
+  if c.get("job") not in JOBS:
+    _err("job", f"must be one of {JOBS}, got {c.get('job')!r}")
   try:
     model_config_lib.validate(c.model)
   except ValueError as e:
@@ -49,6 +54,9 @@ def validate_run_config(c, num_devices: int | None = None) -> None:
     _err("train.mtp_weight", f"must be >= 0, got {c.train.mtp_weight}")
   if c.train.mtp_weight > 0 and c.model.num_mtp_layers == 0:
     _err("train.mtp_weight", "is > 0 but the model has no MTP modules (model.num_mtp_layers = 0)")
+  if c.train.get("ep_balance_coef", 0) > 0 and c.model.num_experts % c.train.ep_groups:
+    _err("train.ep_groups", f"{c.train.ep_groups} does not divide model.num_experts={c.model.num_experts}")
+  _check_pretrain_stage(c, num_devices)
   _positive(c, "eval", ["num_examples", "batch_size", "max_new_tokens"])
   if c.data.max_prompt_len + c.eval.max_new_tokens > c.model.max_position_embeddings:
     _err("eval.max_new_tokens", "prompt + response exceed model.max_position_embeddings")
@@ -107,3 +115,21 @@ def validate_run_config(c, num_devices: int | None = None) -> None:
       _err("mesh.expert", f"{sizes['expert']} does not divide model.num_experts={c.model.num_experts}")
   if "rules" in c.mesh:
     check_rules(tuple(tuple(r) for r in c.mesh.rules))
+
+
+def _check_pretrain_stage(c, num_devices):
+  """An SFT (or RL) config's optional `pretrain` section: a whole pre-training job on the same model."""
+  if "pretrain" not in c:
+    if c.train.get("init_from"):
+      _err("train.init_from", "is set but the config has no pretrain section (e.g. configs/sft.py:pretrained)")
+    return
+  if c.job == "pretrain":
+    _err("pretrain", "a pre-training job cannot have a pretrain stage of its own")
+  try:
+    validate_run_config(c.pretrain, num_devices)
+  except ValueError as e:
+    raise ValueError(str(e).replace("config field '", "config field 'pretrain.")) from None
+  if c.pretrain.job != "pretrain":
+    _err("pretrain.job", f"must be 'pretrain', got {c.pretrain.job!r}")
+  if c.pretrain.model.to_dict() != c.model.to_dict():
+    _err("pretrain.model", "must equal 'model' (SFT starts from the pre-trained weights)")
