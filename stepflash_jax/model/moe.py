@@ -150,21 +150,6 @@ def ep_balance_loss(stats, groups: int, top_k: int):
   return jnp.concatenate(losses).mean() if losses else jnp.float32(0)
 
 
-def _layer_vectors(tree, name: str) -> dict:
-  """{MoE layer: [E] array} of the per-expert leaf `name` ("load" of a sown "moe_stats" tree, or "router_bias" of
-  the "router" collection), keyed as in `stat_layers` ("layer_3"; a scanned stack gives "<path>[i]" per block)."""
-  out = {}
-  for path, v in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, tuple))[0]:
-    keys = [str(getattr(k, "key", k)) for k in path]
-    if keys[-1] != name:
-      continue
-    where = "/".join(k for k in keys[:-1] if k not in ("moe", "mlp"))
-    x = v[0] if isinstance(v, tuple) else v
-    rows = x.reshape(-1, x.shape[-1])
-    out.update({where: rows[0]} if rows.shape[0] == 1 else {f"{where}[{i}]": rows[i] for i in range(rows.shape[0])})
-  return out
-
-
 def routing_metrics(stats, router) -> dict:
   """Per MoE layer and averaged over layers (fp32 scalars): routing confidence Sigma_k ("routing/confidence"),
   expert-load imbalance max_e load_e / mean_e load_e ("routing/load_imbalance"; 1 = perfectly balanced) and the
@@ -172,8 +157,10 @@ def routing_metrics(stats, router) -> dict:
   collection (the bias after this step's update)."""
   per = {
     "confidence": stat_layers(stats, "confidence"),
-    "load_imbalance": {k: v.max() / jnp.maximum(v.mean(), 1e-9) for k, v in _layer_vectors(stats, "load").items()},
-    "bias_norm": {k: jnp.linalg.norm(v) for k, v in _layer_vectors(router, "router_bias").items()},
+    "load_imbalance": {
+      k: v.max() / jnp.maximum(v.mean(), 1e-9) for k, v in stat_layers(stats, "load", vector=True).items()
+    },
+    "bias_norm": {k: jnp.linalg.norm(v) for k, v in stat_layers(router, "router_bias", vector=True).items()},
   }
   out = {}
   for stat, layers in per.items():
@@ -183,17 +170,19 @@ def routing_metrics(stats, router) -> dict:
   return out
 
 
-def stat_layers(stats, name: str = "confidence") -> dict:
-  """{MoE layer: value} of a scalar MoE statistic of a sown "moe_stats" tree, keyed by the module path ("layer_3";
-  scanned stacks get one entry per block, "<path>[i]"; MTP modules are included when they were called)."""
+def stat_layers(tree, name: str = "confidence", vector: bool = False) -> dict:
+  """{MoE layer: value} of leaf `name` of a sown "moe_stats" tree (or of the "router" collection), keyed by the
+  module path ("layer_3"; scanned stacks get one entry per block, "<path>[i]"; MTP modules are included when they
+  were called). Scalars per layer by default; vector=True keeps the last axis (per-expert "load", "router_bias")."""
   out = {}
-  for path, v in jax.tree_util.tree_flatten_with_path(stats, is_leaf=lambda x: isinstance(x, tuple))[0]:
+  for path, v in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, tuple))[0]:
     keys = [str(getattr(k, "key", k)) for k in path]
     if keys[-1] != name:
       continue
     where = "/".join(k for k in keys[:-1] if k not in ("moe", "mlp"))
-    vals = v[0].reshape(-1)
-    out.update({where: vals[0]} if vals.shape[0] == 1 else {f"{where}[{i}]": vals[i] for i in range(vals.shape[0])})
+    x = v[0] if isinstance(v, tuple) else v
+    rows = x.reshape(-1, x.shape[-1]) if vector else x.reshape(-1)
+    out.update({where: rows[0]} if rows.shape[0] == 1 else {f"{where}[{i}]": rows[i] for i in range(rows.shape[0])})
   return out
 
 
