@@ -152,7 +152,7 @@ def _train(config, workdir, log, mesh, rules):
   for step in range(start, t.steps):
     batch = parallel.shard_batch(next(it), mesh, rules)
     state, metrics = step_fn(state, batch)
-    metrics = {k: float(v) for k, v in metrics.items()}
+    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}  # one transfer for all scalars
     if metrics["skipped"]:
       log(f"{stage}: step {step + 1} skipped (non-finite loss or gradient)")
     if eval_set is not None and due(step + 1, t.eval_every, t.steps):
