@@ -23,6 +23,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.masks import MASK_VALUE
+
 IMPLEMENTATIONS = ("reference", "chunked")
 DEFAULT_CHUNK = 8192  # columns per block: 8192 x 4096 tokens x 4 bytes = 128 MiB per block at the real sizes
 
@@ -49,9 +51,6 @@ def reference_token_logprobs(hidden, weight, targets):
   return logp, lse, lse - jnp.sum(p * z, axis=-1)
 
 
-_PAD = -1e30  # logit of the padding columns of the last chunk: exp() = 0, and 0 * _PAD stays finite
-
-
 def _chunks(weight, chunk_size):
   """[H, V] -> ([C, H, chunk] the scan's xs, zero columns padding V up to C * chunk; [C] first column of each)."""
   H, V = weight.shape
@@ -61,9 +60,9 @@ def _chunks(weight, chunk_size):
 
 
 def _chunk_logits(hidden, w, start, vocab):
-  """Logits of one chunk [N, chunk], the padding columns (index >= vocab) at _PAD."""
+  """Logits of one chunk [N, chunk], the padding columns (index >= vocab) at MASK_VALUE (exp() = 0, and 0 * MASK_VALUE stays finite)."""
   col = start + jnp.arange(w.shape[1], dtype=jnp.int32)
-  return jnp.where(col[None, :] < vocab, _logits(hidden, w), _PAD)
+  return jnp.where(col[None, :] < vocab, _logits(hidden, w), MASK_VALUE)
 
 
 def _forward(hidden, weight, targets, chunk_size):
