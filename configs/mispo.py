@@ -36,6 +36,7 @@ def get_config(arg: str = ""):
   r.samples_per_prompt = 6 if small else 8  # report: 16 per reasoning prompt; 192 responses per generation here
   r.actor_minibatches = 4  # report §5 (docs/rl.md §9): 4 actor and 12 critic mini-batches per generation
   r.critic_minibatches = 12
+  r.micro_batch = 16  # rows per model pass (scoring, and each update's gradient accumulation); 0 = whole batches
   r.max_new_tokens = 48  # correct answers need <= 43 tokens; shrink (e.g. 24) to study truncation
   r.temperature = 1.0  # report §5 (docs/rl.md §9): temperature 1.0, top-p 1.0
   r.top_p = 1.0

@@ -149,9 +149,10 @@ def _sequence_scorer(args, prompt_len, temperature=1.0, top_p=1.0):
 
   @jax.jit
   def score(variables, mb):
-    logits, _ = programs.response_logits(args, variables, mb, prompt_len)
+    head, _ = programs.response_heads(args, variables, mb, prompt_len)
     conf = jax.vmap(one, in_axes=(None, 0, 0, 0))(variables, mb["tokens"], mb["positions"], mb["segment_ids"])
-    return programs.token_logp(logits, mb["response"], temperature, top_p), conf  # the rollout's distribution
+    logp, _ = programs.response_logp(head, mb["response"], temperature, top_p, entropy=False)
+    return logp, conf  # the rollout's distribution
 
   return score
 

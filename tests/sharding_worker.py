@@ -77,9 +77,10 @@ def _step_inputs(args, rng):
   from stepflash_jax.rl.critic import critic_from_actor
   from stepflash_jax.train import step as step_lib
 
-  # Optimizers: Muon in fp32 (ortho_dtype) and AdamW eps 1e-6. With eps 1e-8 a first AdamW step is ~lr*sign(g):
-  # summation-order noise (~1e-10) on near-zero gradients would move a few embedding entries by ~1e-4.
-  tx = muon(3e-3, ortho_dtype="float32", adam_eps=1e-6, grad_clip_norm=1.0)
+  # Optimizers: Muon in fp32 (ortho_dtype) and AdamW eps 1e-5. A first AdamW step is lr * g / (|g| + eps): a
+  # summation-order difference d of a near-zero gradient moves the entry by lr * d / eps (eps 1e-8: ~1e-4 for
+  # d ~ 1e-10; eps 1e-6: 1.5e-5 for the ~5e-9 differences of the lm_head's gradient by vocabulary chunks on 8 shards).
+  tx = muon(3e-3, ortho_dtype="float32", adam_eps=1e-5, grad_clip_norm=1.0)
   tcfg = ml_collections.ConfigDict(dict(mtp_weight=0.1, ep_balance_coef=0.0, ep_groups=1, router_bias_rate=1e-3))
   rcfg = ml_collections.ConfigDict(
     dict(objective="mispo", token_bounds=(0.5, 2.0), traj_bounds=(0.996, 1.001), normalizer="valid", kl_coef=1e-3)

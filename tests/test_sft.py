@@ -46,6 +46,44 @@ def test_non_finite_step_is_skipped():
   assert float(skipped) == 0.0 and np.allclose(p["w"], 0.9)
 
 
+def test_sft_loss_is_the_full_logits_cross_entropy():
+  """sft_loss (vocabulary-chunked log-probs, no [B, T, V] logits) = the cross-entropy of the model's full logits,
+  main head and MTP heads, value and gradient."""
+  import jax
+
+  import stepflash_jax as sfj
+  from configs.lab import micro_model
+  from stepflash_jax import model as M
+  from stepflash_jax.config import load_config_file
+  from stepflash_jax.data import future_targets
+  from stepflash_jax.train.sft import sft_loss
+
+  cfg = load_config_file(os.path.join(ROOT, "configs", "sft.py"), "small")
+  args = M.as_args(micro_model(cfg.model, num_mtp_layers=2))
+  v = sfj.init(args, jax.random.key(0))
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(3, args.vocab_size, (2, 24)), jnp.int32)
+  seg = jnp.asarray(np.repeat([[1] * 10 + [2] * 10 + [0] * 4], 2, 0), jnp.int32)
+  pos = jnp.asarray(np.tile(np.r_[np.arange(10), np.arange(10), np.zeros(4)], (2, 1)), jnp.int32)
+  batch = dict(
+    tokens=tokens, targets=jnp.roll(tokens, -1, 1), loss_mask=(seg > 0) * 1.0, segment_ids=seg, positions=pos
+  )
+
+  def reference(params):
+    out = M.apply(args, {**v, "params": params}, tokens, positions=pos, segment_ids=seg, mtp=True)
+    terms = []
+    for k, logits in enumerate((out["logits"], *out["mtp_logits"])):
+      t, m = future_targets(batch["targets"], batch["loss_mask"], seg, k)
+      lp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), t[..., None], -1)[..., 0]
+      terms.append(-(lp * m).sum() / m.sum())
+    return terms[0] + 0.3 * jnp.mean(jnp.stack(terms[1:]))
+
+  loss, g = jax.value_and_grad(lambda p: sft_loss(p, v["router"], batch, args, 0.3)[0])(v["params"])
+  want, g_want = jax.value_and_grad(reference)(v["params"])
+  np.testing.assert_allclose(loss, want, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), g, g_want)
+
+
 def _cmd(workdir):
   return [
     sys.executable,

@@ -134,7 +134,8 @@ def test_logp_old_matches_rollout_under_temperature_and_top_p(fp32_rollout):
   gen, b, logp_old, _ = fp32_rollout
   m = b["mask"] > 0
   assert m.sum() >= 8
-  np.testing.assert_allclose(logp_old[m], gen["logp"][m], atol=1e-5)
+  # 3e-5: fp32 rounding of logits ~40x the usual scale (the peaked head), summed in another order by each engine
+  np.testing.assert_allclose(logp_old[m], gen["logp"][m], atol=3e-5)
   lp1 = programs.token_logp(jnp.zeros((1, 1, 4)), jnp.zeros((1, 1), jnp.int32))  # temperature 1, no nucleus
   np.testing.assert_allclose(lp1, np.log(0.25), rtol=1e-6)
 

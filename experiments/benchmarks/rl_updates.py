@@ -1,7 +1,7 @@
 """One RL generation's updates at the main job's shapes: the actor's and the critic's mini-batch sequences one after
 the other vs side by side (`parallel.concurrently`, what rl/trainer.py runs), and the three scoring programs.
 
-    python experiments/benchmarks/rl_updates.py [--reps 3]          # ~4 minutes on 2 cores (compile ~90 s)
+    python experiments/benchmarks/rl_updates.py [--reps 3] [--micro-batch N]  # ~4 minutes on 2 cores (compile ~90 s)
 
 Shapes of configs/mispo.py: 192 responses of 20 prompt + 48 response tokens, 4 actor and 12 critic mini-batches,
 the tiny model (configs/model/tiny.py) in float32, Muon. Prints wall and process CPU seconds per variant and the
@@ -51,8 +51,13 @@ def generation(n, P, R, vocab, rng):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--reps", type=int, default=3)
-  reps = ap.parse_args().reps
+  ap.add_argument("--micro-batch", type=int, default=None, help="rl.micro_batch (default: the config's)")
+  a = ap.parse_args()
+  reps = a.reps
   c = load_config_file(os.path.join(ROOT, "configs", "mispo.py"))
+  if a.micro_batch is not None:
+    c.rl.micro_batch = a.micro_batch
+  print(f"rl.micro_batch = {c.rl.micro_batch}")
   rc, P, R = c.rl, c.data.max_prompt_len, c.rl.max_new_tokens
   n = rc.prompts_per_step * rc.samples_per_prompt
   args = model_lib.as_args(c.model)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from stepflash_jax import config as config_lib
+from stepflash_jax import ops
 from stepflash_jax.config import ModelArgs
 from stepflash_jax.model import replay as replay_lib
 from stepflash_jax.model.cache import init_cache
@@ -80,8 +81,9 @@ def apply(
   cache=None,
   cache_index=None,
   replay_experts=None,
+  logits=True,
 ):
-  """Run the model. Returns the output dict (and, if stats=True, the sown "moe_stats" tree plus
+  """Run the model (logits=False: no logits, the head features `heads` instead; `Transformer`). Returns the output dict (and, if stats=True, the sown "moe_stats" tree plus
   stats["expert_ids"] = {MoE layer name: int32 [B, T, k]}, the experts each layer chose).
 
   replay_experts: such a dict (router replay, model/replay.py): every MoE layer of the main model uses the given
@@ -92,12 +94,24 @@ def apply(
   replay = None if replay_experts is None else replay_lib.replay_tree(args, replay_experts, np.shape(tokens))
   model = build(args, head)
   variables = {k: variables[k] for k in COLLECTIONS if k in variables}
-  call = (variables, tokens, positions, segment_ids, cache, cache_index, mtp, replay)
+  call = (variables, tokens, positions, segment_ids, cache, cache_index, mtp, replay, logits)
   if stats:
     out, st = model.apply(*call, mutable=["moe_stats"])
     st = dict(st.get("moe_stats", {}))
     return out, {**st, "expert_ids": replay_lib.expert_ids(st)}
   return model.apply(*call)
+
+
+def head_logprobs(head, targets, temperature: float = 1.0):
+  """head = (normed [B, T, H], weight [H, V]) (apply(..., logits=False)["heads"][k]), targets int [B, T] ->
+  (logp, lse, entropy), each float32 [B, T], of softmax(logits / temperature), computed chunk by chunk over the
+  vocabulary (`ops.token_logprobs`: the [B, T, V] logits are never materialised, forward or backward)."""
+  hn, w = head
+  B, T, H = hn.shape
+  if temperature != 1.0:
+    hn, w = hn.astype(jnp.float32), w.astype(jnp.float32) / temperature  # logits / t = h (W / t)
+  out = ops.token_logprobs(hn.reshape(B * T, H), w, targets.reshape(B * T))
+  return tuple(x.reshape(B, T) for x in out)
 
 
 @functools.lru_cache(maxsize=None)

@@ -92,8 +92,14 @@ class Block(nn.Module):
     return x, (None if cache is None else new)
 
 
+def head_logits(normed, weight):
+  """normed [B, T, H] (final-normed hidden), weight [H, V] -> logits [B, T, V] float32."""
+  return jnp.dot(normed, weight, preferred_element_type=jnp.float32)
+
+
 class MTPModule(nn.Module):
-  """h_k = Layer_k(eh_proj([enorm(embed(token_{t+k})), hnorm(h_{k-1})])); logits_k = head_k(norm_k(h_k))."""
+  """h_k = Layer_k(eh_proj([enorm(embed(token_{t+k})), hnorm(h_{k-1})])); logits_k = head_k(norm_k(h_k)).
+  Returns (h_k, norm_k(h_k), head_k's weight [H, V], cache): the logits are `head_logits` of the two."""
 
   spec: LayerSpec
   args: ModelArgs
@@ -106,12 +112,7 @@ class MTPModule(nn.Module):
     z = z @ Weight((2 * a.hidden_size, a.hidden_size), ("concat_embed", "embed"), a.init_std, name="eh_proj", **dt)()
     h, cache = DecoderLayer(self.spec, a, name="layer")(z, positions, segment_ids, token_mask, None, cache, cache_index)
     hn = RMSNorm(a.eps, name="final_norm", **dt)(h)
-    logits = jnp.dot(
-      hn,
-      Weight((a.hidden_size, a.vocab_size), ("embed", "vocab"), a.init_std, name="head", **dt)(),
-      preferred_element_type=jnp.float32,
-    )
-    return h, logits, cache
+    return h, hn, Weight((a.hidden_size, a.vocab_size), ("embed", "vocab"), a.init_std, name="head", **dt)(), cache
 
 
 class Transformer(nn.Module):
@@ -120,6 +121,8 @@ class Transformer(nn.Module):
   `hidden` is the last hidden state *before* the final norm (the MTP input). segment_ids [B, T] (0 = padding)
   keep packed documents apart; positions [B, T] restart per document. With `cache` (see model/cache.py) the call
   is a prefill/decode step writing at columns cache_index.. .
+  logits=False: no [B, T, V] logits; instead `heads` = ((normed [B, T, H], weight [H, V]) of the main head, then of
+  each MTP module), the inputs of the vocabulary-chunked `ops.token_logprobs`.
   """
 
   args: ModelArgs
@@ -190,7 +193,9 @@ class Transformer(nn.Module):
       x = layer(i, x)
     return x, new_cache
 
-  def __call__(self, tokens, positions=None, segment_ids=None, cache=None, cache_index=None, mtp=False, replay=None):
+  def __call__(
+    self, tokens, positions=None, segment_ids=None, cache=None, cache_index=None, mtp=False, replay=None, logits=True
+  ):
     B, T = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -200,21 +205,25 @@ class Transformer(nn.Module):
     if self.head == "value":
       out["values"] = jnp.dot(hn.astype(jnp.float32), self.value_head())
       return out
-    out["logits"] = jnp.dot(hn, self.lm_head(), preferred_element_type=jnp.float32)
+    heads = [(hn, self.lm_head())]
     if mtp:
       # Module k (0-based) reads token t+k+1 and predicts token t+k+2; shifted-in positions past the end are pad.
-      h, mtp_logits = hidden, []
+      h = hidden
       mask = None if segment_ids is None else segment_ids > 0
       for k, module in enumerate(self.mtp):
         shifted = jnp.pad(tokens[:, k + 1 :], ((0, 0), (0, k + 1)))
-        h, logits, _ = module(h, self.embed(shifted).astype(self.args.dtype), positions, segment_ids, mask)
-        mtp_logits.append(logits)
-      out["mtp_logits"] = tuple(mtp_logits)
+        h, hn_k, w_k, _ = module(h, self.embed(shifted).astype(self.args.dtype), positions, segment_ids, mask)
+        heads.append((hn_k, w_k))
+    if not logits:
+      return {**out, "heads": tuple(heads)}
+    out["logits"] = head_logits(*heads[0])
+    if mtp:
+      out["mtp_logits"] = tuple(head_logits(*hw) for hw in heads[1:])
     return out
 
   def mtp_step(self, k, h_prev, tokens, positions, segment_ids=None, cache=None, cache_index=None):
     """One MTP module on given inputs (drafting): returns (h_k, logits_k, new_cache)."""
-    return self.mtp[k](
+    h, hn, w, cache = self.mtp[k](
       h_prev,
       self.embed(tokens).astype(self.args.dtype),
       positions,
@@ -223,3 +232,4 @@ class Transformer(nn.Module):
       cache,
       cache_index,
     )
+    return h, head_logits(hn, w), cache

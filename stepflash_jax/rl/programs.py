@@ -14,6 +14,7 @@ import numpy as np
 from stepflash_jax import model as model_lib
 from stepflash_jax import parallel
 from stepflash_jax.model.moe import stat_layers
+from stepflash_jax.model.transformer import head_logits
 from stepflash_jax.model.replay import moe_layer_names
 from stepflash_jax.rl import advantages as adv_lib
 from stepflash_jax.rl import losses
@@ -23,10 +24,11 @@ from stepflash_jax.sampling import sampling_logprobs
 from stepflash_jax.train.step import frozen_mask, guarded_update
 
 
-def objective(rcfg, logp, mb):
+def objective(rcfg, logp, mb, normalizer=None):
   """The configured actor loss on a mini-batch (all [n, R] float32); rl.normalizer ("valid" | "kept") applies to
-  every objective (PPO and TIS filter nothing: for them "kept" = "valid")."""
-  o, norm = rcfg.objective, rcfg.normalizer
+  every objective (PPO and TIS filter nothing: for them "kept" = "valid"). normalizer: a number overriding it (a
+  micro-batch's share of its mini-batch: `objective_denominator`)."""
+  o, norm = rcfg.objective, rcfg.normalizer if normalizer is None else normalizer
   if o == "mispo":
     return losses.mispo_loss(
       logp,
@@ -55,6 +57,50 @@ def objective(rcfg, logp, mb):
   return losses.tis_loss(
     logp, mb["logp_old"], mb["logp_rollout"], mb["adv"], mb["mask"], cap=rcfg.tis_cap, normalizer=norm
   )
+
+
+def objective_denominator(rcfg, mb):
+  """The denominator rl.normalizer gives `objective` on the whole mini-batch mb: max(#valid, 1), or max(#kept, 1)
+  for "kept" with the MIS-filtered objectives (the filter reads constants only, so it is known before the pass)."""
+  if rcfg.normalizer == "kept" and rcfg.objective in ("mispo", "gspo"):
+    keep, _ = losses.mis_mask(
+      mb["logp_old"], mb["logp_rollout"], mb["mask"], tuple(rcfg.token_bounds), tuple(rcfg.traj_bounds)
+    )
+    return jnp.maximum(keep.sum(), 1.0)
+  return jnp.maximum((mb["mask"] != 0).sum().astype(jnp.float32), 1.0)
+
+
+def split_rows(tree, micro: int):
+  """Every leaf [n, ...] -> [n / micro, micro, ...]: the micro-batches of a (mini-)batch (rl.micro_batch rows)."""
+  n = jax.tree.leaves(tree)[0].shape[0]
+  if n % micro:
+    raise ValueError(f"rl.micro_batch={micro} does not divide a batch of {n} rows")
+  return jax.tree.map(lambda x: x.reshape(n // micro, micro, *x.shape[1:]), tree)
+
+
+def merge_rows(tree):
+  """Inverse of `split_rows`: [k, micro, ...] -> [k * micro, ...]."""
+  return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), tree)
+
+
+def weighted_mean(values, weights):
+  """{name: [k]} per-micro-batch means, [k] token counts -> {name: the token-weighted mean over the batch}."""
+  w = weights / jnp.maximum(weights.sum(), 1.0)
+  return {k: (v * w).sum() for k, v in values.items()}
+
+
+def accumulate(loss_fn, params, mb, micro: int):
+  """Sum over the micro-batches of mb of loss_fn(params, micro-batch) -> (loss, aux) and of its gradient, one
+  micro-batch's activations alive at a time (lax.scan). Returns (summed loss, summed grads, aux stacked [k, ...])."""
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def body(acc, m):
+    (loss, aux), g = grad_fn(params, m)
+    return (acc[0] + loss, jax.tree.map(jnp.add, acc[1], g)), aux
+
+  zeros = (jnp.float32(0), jax.tree.map(jnp.zeros_like, params))
+  (loss, grads), aux = jax.lax.scan(body, zeros, split_rows(mb, micro))
+  return loss, grads, aux
 
 
 def mismatch_stats(rcfg, mb) -> dict:
@@ -87,9 +133,10 @@ def experts_dict(args, mb):
   return {name: mb["rollout_experts"][:, i] for i, name in enumerate(names)}
 
 
-def response_logits(args, variables, mb, prompt_len, replay=False):
-  """Training-engine logits predicting each response token: [n, R, V] (fp32), and the MoE stats. replay: the MoE
-  layers use the rollout's experts mb["rollout_experts"] (router replay, model/replay.py)."""
+def response_heads(args, variables, mb, prompt_len, replay=False):
+  """The training engine's main head on the response: ((normed hidden [n, R, H] at the positions predicting each
+  response token, head weight [H, V]), MoE stats); no logits (`model.head_logprobs`). replay: the MoE layers use
+  the rollout's experts mb["rollout_experts"] (router replay, model/replay.py)."""
   out, st = model_lib.apply(
     args,
     variables,
@@ -98,9 +145,25 @@ def response_logits(args, variables, mb, prompt_len, replay=False):
     segment_ids=mb["segment_ids"],
     stats=True,
     replay_experts=experts_dict(args, mb) if replay else None,
+    logits=False,
   )
   R = mb["tokens"].shape[1] - prompt_len
-  return out["logits"][:, prompt_len - 1 : prompt_len - 1 + R], st
+  hn, w = out["heads"][0]
+  return (hn[:, prompt_len - 1 : prompt_len - 1 + R], w), st
+
+
+def response_logp(head, response, temperature=1.0, top_p=1.0, entropy=True):
+  """(logp [n, R] of each response token under the rollout's sampling distribution (`token_logp`), entropy [n, R]
+  of the model's own distribution (temperature 1, no nucleus), or None if not `entropy`), both float32. top_p = 1
+  (the recipe): vocabulary-chunked, no [n, R, V] logits; a nucleus needs the sorted logits of the micro-batch."""
+  if top_p < 1.0:
+    logits = head_logits(*head)
+    ent = losses.entropy_from_logits(logits, jnp.ones(logits.shape[:2]), per_token=True)[1] if entropy else None
+    return token_logp(logits, response, temperature, top_p), ent
+  logp, _, ent = model_lib.head_logprobs(head, response, temperature)
+  if entropy and temperature != 1.0:
+    ent = model_lib.head_logprobs(head, response)[2]
+  return logp, ent if entropy else None
 
 
 def flip_rates(args, stats, mb, prompt_len) -> dict:
@@ -164,48 +227,62 @@ def kl_coef_at(rcfg, step: int) -> float:
 
 class Programs:
   """The jitted pieces of a generation, compiled once per (model, config); `score` and `actor_step` take a static
-  `replay` flag (router replay on / off: two programs)."""
+  `replay` flag (router replay on / off: two programs). Every pass over the model runs in micro-batches of
+  rl.micro_batch rows (0, or a batch no larger: the whole batch at once): scoring maps over them, an update sums their gradients before
+  its one optimizer step, so memory depends on the micro-batch, not on the generation (docs/rl.md §10)."""
 
   def __init__(self, args, rcfg, actor_tx, critic_tx, prompt_len, freeze_mask):
     P = prompt_len
     sampling = dict(temperature=rcfg.get("temperature", 1.0), top_p=rcfg.get("top_p", 1.0))
+    micro = lambda mb: min(rcfg.get("micro_batch", 0) or mb["mask"].shape[0], mb["mask"].shape[0])
 
     def score(params, router, mb, replay=False):
       """-> logp [n, R], entropy, {layer: Sigma_k}, {layer: expert-flip rate against the rollout}."""
-      logits, st = response_logits(args, {"params": params, "router": router}, mb, P, replay)
-      mask = mb["mask"]
-      return (
-        token_logp(logits, mb["response"], **sampling),
-        losses.entropy_from_logits(logits, mask),  # of the model's distribution (temperature 1, no nucleus)
-        response_confidence(st, mask, P),
-        flip_rates(args, st, mb, P),
-      )
+
+      def one(m):
+        head, st = response_heads(args, {"params": params, "router": router}, m, P, replay)
+        logp, ent = response_logp(head, m["response"], **sampling)
+        fed = fed_mask(m["mask"]).sum()
+        return logp, (ent * m["mask"]).sum(), response_confidence(st, m["mask"], P), flip_rates(args, st, m, P), fed
+
+      logp, ent, conf, flips, fed = jax.lax.map(one, split_rows(mb, micro(mb)))
+      n_valid = jnp.maximum(mb["mask"].sum(), 1.0)
+      return merge_rows(logp), ent.sum() / n_valid, weighted_mean(conf, fed), weighted_mean(flips, fed)
 
     self._jit = {"score": jax.jit(score, static_argnames="replay")}
-    self._jit["values"] = jax.jit(
-      lambda cp, router, mb: response_values(
-        args, {"params": cp, "router": router}, mb["tokens"], mb["positions"], mb["segment_ids"], P
-      )
-    )
 
-    def actor_loss(params, router, mb, kl_coef, replay):
-      logits, st = response_logits(args, {"params": params, "router": router}, mb, P, replay)
-      logp = token_logp(logits, mb["response"], **sampling)
-      loss, m = objective(rcfg, logp, mb)
-      if rcfg.kl_coef > 0:  # kl_coef: rl.kl_coef, or 0 before rl.kl_start (the KL is logged either way)
-        kl = losses.unbiased_kl(logp, mb["logp_old"], mb["logp_ref"], mb["mask"])
-        loss = loss + kl_coef * kl
-        m = {**m, "kl": kl, "kl_coef": kl_coef}
-      conf = response_confidence(st, mb["mask"], P)
-      conf = jnp.stack(list(conf.values())).mean() if conf else jnp.float32(jnp.nan)
-      return loss, {**m, "confidence_train": conf}
+    def values(cp, router, mb):
+      v = lambda m: response_values(
+        args, {"params": cp, "router": router}, m["tokens"], m["positions"], m["segment_ids"], P
+      )
+      return merge_rows(jax.lax.map(v, split_rows(mb, micro(mb))))
+
+    self._jit["values"] = jax.jit(values)
 
     def actor_step(state, mb, kl_coef=None, replay=False):
       """kl_coef: a float32 scalar (the run passes `kl_coef_at(rcfg, step)`); None = rl.kl_coef. replay: router
-      replay of the rollout's experts."""
+      replay of the rollout's experts. Each micro-batch's loss is divided by the whole mini-batch's denominator,
+      so the summed gradient is that of the mini-batch's loss; metrics from the concatenated log-probs."""
       kl_coef = jnp.asarray(rcfg.kl_coef if kl_coef is None else kl_coef, jnp.float32)
-      grad_fn = jax.value_and_grad(actor_loss, has_aux=True)
-      (loss, m), g = grad_fn(state["params"], state["router"], mb, kl_coef, replay)
+      obj_den, kl_den = objective_denominator(rcfg, mb), jnp.maximum(mb["mask"].sum(), 1.0)
+
+      def loss_fn(params, m):
+        head, st = response_heads(args, {"params": params, "router": state["router"]}, m, P, replay)
+        logp, _ = response_logp(head, m["response"], **sampling, entropy=False)
+        loss, _ = objective(rcfg, logp, m, obj_den)
+        if rcfg.kl_coef > 0:  # kl_coef: rl.kl_coef, or 0 before rl.kl_start (the KL is logged either way)
+          loss = loss + kl_coef * losses.unbiased_kl(logp, m["logp_old"], m["logp_ref"], m["mask"], kl_den)
+        return loss, (logp, response_confidence(st, m["mask"], P), fed_mask(m["mask"]).sum())
+
+      _, g, (logp, conf, fed) = accumulate(loss_fn, state["params"], mb, micro(mb))
+      logp = merge_rows(logp)
+      loss, m = objective(rcfg, logp, mb)
+      if rcfg.kl_coef > 0:
+        kl = losses.unbiased_kl(logp, mb["logp_old"], mb["logp_ref"], mb["mask"])
+        loss = loss + kl_coef * kl
+        m = {**m, "kl": kl, "kl_coef": kl_coef}
+      conf = weighted_mean(conf, fed)
+      m["confidence_train"] = jnp.stack(list(conf.values())).mean() if conf else jnp.float32(jnp.nan)
       params, opt, gnorm, skipped = guarded_update(state, g, loss, actor_tx, freeze_mask)
       return {**state, "params": params, "opt": opt}, {
         **m,
@@ -216,12 +293,16 @@ class Programs:
 
     self._jit["actor_step"] = jax.jit(actor_step, static_argnames="replay")
 
-    def critic_loss(cp, router, mb):
-      v = response_values(args, {"params": cp, "router": router}, mb["tokens"], mb["positions"], mb["segment_ids"], P)
-      return losses.value_loss(v[:, :-1], mb["returns"], mb["mask"])
-
     def critic_step(state, mb):
-      (loss, _), g = jax.value_and_grad(critic_loss, has_aux=True)(state["params"], state["router"], mb)
+      den = jnp.maximum(mb["mask"].sum(), 1.0)
+
+      def loss_fn(cp, m):
+        v = response_values(
+          args, {"params": cp, "router": state["router"]}, m["tokens"], m["positions"], m["segment_ids"], P
+        )
+        return losses.value_loss(v[:, :-1], m["returns"], m["mask"], normalizer=den)[0], None
+
+      loss, g, _ = accumulate(loss_fn, state["params"], mb, micro(mb))
       # the critic's router follows the actor's freeze switch (rl.freeze_router)
       params, opt, gnorm, skipped = guarded_update(
         state, g, loss, critic_tx, frozen_mask(state["params"], rcfg.get("freeze_router", True))
@@ -262,6 +343,11 @@ class Programs:
   def critic_step(self, state, mb):
     return self._call("critic_step", None, state, mb)
 
+  def lower(self, name, *xs, replay=None):
+    """Program `name` ("score", "values", "actor_step", "critic_step") lowered on xs (arrays or ShapeDtypeStructs);
+    replay: the static flag of "score" / "actor_step". `.compile()` it (its memory_analysis(): rl_memory.py)."""
+    return self._jit[name].lower(*xs, **({} if replay is None else {"replay": replay}))
+
   def compile(self, state, batch, minibatch_counts, mesh, rules, replay=(False,)):
     """Compile the generation's big programs concurrently, one per thread (tracing, lowering and parts of XLA's
     compilation are single-threaded: measured on 2 cores, 95 s instead of ~113 s one after the other); later calls
@@ -278,10 +364,7 @@ class Programs:
     for flag in replay:
       jobs[("actor_step", flag)] = (a, amb, jnp.float32(0))
 
-    def lower(key):
-      name, flag = key
-      kw = {} if flag is None else {"replay": flag}
-      return self._jit[name].lower(*jobs[key], **kw).compile()
+    lower = lambda key: self.lower(key[0], *jobs[key], replay=key[1]).compile()
 
     done = parallel.concurrently(**{f"{k[0]}/{k[1]}": lambda k=k: lower(k) for k in jobs})
     self._exe.update({k: done[f"{k[0]}/{k[1]}"] for k in jobs})

@@ -32,11 +32,11 @@ from stepflash_jax.train.metrics import MetricsWriter, Progress, plot_metrics
 from stepflash_jax.train.step import due, frozen_mask, guarded_update, lr_schedule, make_optimizer
 
 
-def token_ce(logits, targets, mask):
-  """Sum over masked positions of -log softmax(logits)[target] (fp32) and the mask count."""
-  lp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
-  nll = -jnp.take_along_axis(lp, targets[..., None], -1)[..., 0]
-  return jnp.sum(nll * mask), jnp.sum(mask)
+def token_ce(head, targets, mask):
+  """Sum over masked positions of -log softmax(logits)[target] (fp32) and the mask count; head = (normed hidden,
+  head weight), the logits never materialised (`model.head_logprobs`)."""
+  logp = model_lib.head_logprobs(head, targets)[0]
+  return -jnp.sum(logp * mask), jnp.sum(mask)
 
 
 def sft_loss(params, router, batch, args, mtp_weight: float, ep_coef: float = 0.0, ep_groups: int = 1):
@@ -48,16 +48,17 @@ def sft_loss(params, router, batch, args, mtp_weight: float, ep_coef: float = 0.
     segment_ids=batch["segment_ids"],
     mtp=mtp_weight > 0,
     stats=True,
+    logits=False,
   )
-  s, n = token_ce(out["logits"], batch["targets"], batch["loss_mask"])
+  s, n = token_ce(out["heads"][0], batch["targets"], batch["loss_mask"])
   main = s / jnp.maximum(n, 1.0)
   metrics = {"loss": main, "tokens": n}
   total = main
   if mtp_weight > 0:
     mtp = []
-    for k, logits in enumerate(out["mtp_logits"]):
+    for k, head in enumerate(out["heads"][1:]):
       t, m = future_targets(batch["targets"], batch["loss_mask"], batch["segment_ids"], k + 1)
-      sk, nk = token_ce(logits, t, m)
+      sk, nk = token_ce(head, t, m)
       mtp.append(sk / jnp.maximum(nk, 1.0))
       metrics[f"mtp{k + 1}_loss"] = mtp[-1]
     total = total + mtp_weight * jnp.mean(jnp.stack(mtp))

@@ -26,6 +26,9 @@ def _positive(c, section, names):
 JOBS = ("pretrain", "sft", "rl")
 
 
+MINIBATCHES = ("actor_minibatches", "critic_minibatches")
+
+
 def validate_run_config(c, num_devices: int | None = None) -> None:
   if c.get("job") not in JOBS:
     _err("job", f"must be one of {JOBS}, got {c.get('job')!r}")
@@ -81,9 +84,15 @@ def validate_run_config(c, num_devices: int | None = None) -> None:
       ],
     )
     n = r.prompts_per_step * r.samples_per_prompt
-    for k in ("actor_minibatches", "critic_minibatches"):
+    for k in MINIBATCHES:
       if n % r[k]:
         _err(f"rl.{k}", f"{r[k]} does not divide the generation's {n} responses")
+    micro = r.get("micro_batch", 0)
+    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 0:
+      _err("rl.micro_batch", f"must be an integer >= 0 (rows per model pass; 0 = the whole batch), got {micro!r}")
+    for rows, what in [(n, "generation")] + [(n // r[k], f"mini-batches of rl.{k}={r[k]}") for k in MINIBATCHES]:
+      if micro and rows > micro and rows % micro:  # a batch no larger than micro_batch is one pass
+        _err("rl.micro_batch", f"{micro} does not divide the {rows}-row {what}")
     lo, hi = r.token_bounds
     if not 0 < lo <= 1 <= hi:
       _err("rl.token_bounds", f"need 0 < low <= 1 <= high, got {tuple(r.token_bounds)}")
