@@ -1,10 +1,18 @@
 import os
 import sys
+import tempfile
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+# One persistent XLA cache for the session (set before JAX is imported): this process, the run.py subprocesses and
+# the notebook kernels load a program another test already compiled (a new jit closure of the same computation, a
+# rerun of the same config) instead of compiling it again. A fresh directory: nothing outside the session is reused.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="stepflash-test-xla-")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
 
 
 @pytest.fixture(scope="session")

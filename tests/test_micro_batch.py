@@ -78,7 +78,8 @@ def test_micro_batches_equal_the_whole_batch(setup):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), got, want)
 
 
-def test_micro_batch_must_divide_the_mini_batches(setup):
+def test_rl_batching_fields_are_validated(setup):
+  """rl.micro_batch divides every batch larger than itself; rl.rollout_slots lies in [0, responses]."""
   from stepflash_jax.train.validate import validate_run_config
 
   cfg = setup[0].copy_and_resolve_references()
@@ -90,4 +91,9 @@ def test_micro_batch_must_divide_the_mini_batches(setup):
   for bad, why in ((3, "4-row mini-batches of rl.critic_minibatches"), (8, "12-row"), (-1, ">= 0")):
     cfg.rl.micro_batch = bad
     with pytest.raises(ValueError, match=f"rl.micro_batch.*{why}"):
+      validate_run_config(cfg)
+  cfg.rl.micro_batch = 0
+  for bad in (-1, n + 1):
+    cfg.rl.rollout_slots = bad
+    with pytest.raises(ValueError, match=rf"rl.rollout_slots.*\[0, {n}\]"):
       validate_run_config(cfg)

@@ -1,4 +1,5 @@
-"""Rollout engine: KV-cached decoding vs recompute-from-scratch, KV-cache bytes, MTP-3 speculative decoding.
+"""Rollout engine: KV-cached decoding vs recompute-from-scratch, KV-cache bytes, MTP-3 speculative decoding,
+continuous vs static batching.
 
     python experiments/benchmarks/rollout.py [--batch 8 --new_tokens 256 --prompt_len 16 --train_steps 300]
 
@@ -12,6 +13,10 @@
 3. MTP-3 speculative decoding: acceptance rate, tokens per main-model call and wall-time speed-up over plain cached
    decoding, greedy and temperature 1, for the untrained tiny model and one trained for `train_steps` AdamW steps
    (main + 0.3 * MTP loss, batch 8 x 48 tokens) on a noisy Markov chain (x_{t+1} = f(x_t) with prob. 0.9, else uniform over 64 tokens).
+4. Continuous vs static batching on a mix of short and long responses: 4 x `batch` requests in random order, a
+   quarter with a budget of `new_tokens` tokens and the rest `new_tokens / 16`, temperature 1, bf16. Static: groups
+   of `batch` requests in queue order, each decoded until its longest budget (an engine per budget); continuous:
+   `batch` slots over the whole queue (`generate_queue`). Tokens/s counts the budgeted response tokens. Goal >= 1.5x.
 """
 
 from __future__ import annotations
@@ -209,6 +214,35 @@ def section_spec(cfg, v, a):
       )
 
 
+def section_continuous(cfg, v, a):
+  B, P, N = a.batch, a.prompt_len, a.new_tokens
+  rs = np.random.RandomState(4)
+  Q, short = 4 * B, max(1, N // 16)
+  limits = rs.permutation(np.r_[np.full(Q // 4, N), np.full(Q - Q // 4, short)]).astype(np.int32)
+  prompts, lens = make_prompts(rs, Q, P)
+  kw = dict(max_prompt_len=P, eos_id=EOS, pad_id=PAD, dtype="bfloat16")
+  engines = {n: RolloutEngine(cfg, max_new_tokens=n, **kw) for n in (short, N)}
+  groups = [slice(i, i + B) for i in range(0, Q, B)]
+
+  def static(i):
+    key = jax.random.key(i)
+    return [
+      engines[int(limits[g].max())].generate(v, prompts[g], lens[g], jax.random.fold_in(key, j))
+      for j, g in enumerate(groups)
+    ]
+
+  cont = lambda i: engines[N].generate_queue(v, prompts, lens, jax.random.key(i), slots=B, limits=limits)
+  t_static, t_cont = timed(static, a.reps), timed(cont, a.reps)
+  tokens = int(limits.sum())  # EOS is rare for the untrained model: every response runs to its budget
+  print(
+    f"\n4. continuous vs static batching: {Q} requests ({Q // 4} x {N} + {Q - Q // 4} x {short} tokens), {B} slots, bf16"
+  )
+  print(f"   static     {t_static:7.2f} s  {tokens / t_static:8.0f} tok/s")
+  print(
+    f"   continuous {t_cont:7.2f} s  {tokens / t_cont:8.0f} tok/s   speed-up {t_static / t_cont:.2f}x (goal >= 1.5)"
+  )
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--config", default=os.path.join(ROOT, "configs", "model", "tiny.py"))
@@ -218,7 +252,7 @@ def main():
   ap.add_argument("--train_steps", type=int, default=100)
   ap.add_argument("--recompute_steps", type=int, default=32)
   ap.add_argument("--reps", type=int, default=3)
-  ap.add_argument("--skip", default="", help="comma-separated sections to skip: 1,2,3")
+  ap.add_argument("--skip", default="", help="comma-separated sections to skip: 1,2,3,4")
   a = ap.parse_args()
   cfg = load_config_file(a.config)
   v = sfj.init(cfg, jax.random.key(0))
@@ -230,6 +264,8 @@ def main():
     section_cache_bytes(cfg)
   if "3" not in skip:
     section_spec(cfg, v, a)
+  if "4" not in skip:
+    section_continuous(cfg, v, a)
 
 
 if __name__ == "__main__":

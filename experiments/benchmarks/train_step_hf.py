@@ -239,10 +239,10 @@ def jax_worker(a, tokens):
 
   tx = optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
 
-  def loss_fn(params, router, tokens):
-    logits = model_lib.apply(args, {"params": params, "router": router}, tokens)["logits"]  # [B, T, V]
-    lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), -1)
-    return -jnp.mean(jnp.take_along_axis(lp, tokens[:, 1:, None], -1))
+  def loss_fn(params, router, tokens):  # the trainers' path: vocabulary-chunked log-probs, no [B, T, V] logits
+    head = model_lib.apply(args, {"params": params, "router": router}, tokens, logits=False)["heads"][0]
+    logp = model_lib.head_logprobs(head, jnp.roll(tokens, -1, 1))[0]  # [B, T]; the last column has no target
+    return -jnp.mean(logp[:, :-1])
 
   def step(params, opt, router, tokens):
     loss, grads = jax.value_and_grad(loss_fn)(params, router, tokens)

@@ -127,7 +127,12 @@ def _run(config, workdir, log, mesh, rules):
     pb = parallel.shard_batch(
       {"tokens": prompts["tokens"], "lengths": prompts["lengths"]}, mesh, rules, global_batch=True
     )
-    gen = parallel.to_host(engine.generate(stale[0], pb["tokens"], pb["lengths"], jax.random.key(rng.integers(2**31))))
+    key, slots = jax.random.key(rng.integers(2**31)), rc.get("rollout_slots", 0)
+    if slots:  # continuous batching: `slots` rows serve the generation's prompts (sampling/continuous.py)
+      gen = engine.generate_queue(stale[0], pb["tokens"], pb["lengths"], key, slots=slots)
+    else:
+      gen = engine.generate(stale[0], pb["tokens"], pb["lengths"], key)
+    gen = parallel.to_host(gen)
     clock.stop("rollout")
     batch = sequences(prompts, gen)
     if step == start:

@@ -61,6 +61,7 @@ import numpy as np
 from stepflash_jax import model as M
 from stepflash_jax.model.cache import init_cache
 from stepflash_jax.sampling.calls import cast_variables, model_call
+from stepflash_jax.sampling.continuous import generate_continuous
 from stepflash_jax.sampling.plain import Sampling, Shapes, generate_plain
 from stepflash_jax.sampling.quantize import QUANT_FORMATS
 from stepflash_jax.sampling.speculative import generate_spec
@@ -74,6 +75,11 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive
 def _compiled(st: Shapes, spec: bool, options: tuple):
   gen = generate_spec if spec else generate_plain
   return jax.jit(functools.partial(gen, st), compiler_options=dict(options) or None)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_queue(st: Shapes, slots: int, options: tuple):
+  return jax.jit(functools.partial(generate_continuous, st, slots=slots), compiler_options=dict(options) or None)
 
 
 @functools.lru_cache(maxsize=16)
@@ -149,6 +155,29 @@ class RolloutEngine:
 
   def generate(self, variables, prompts, prompt_lens, rng) -> dict:
     """prompts int [B, P'] (P' <= max_prompt_len) left-padded with pad_id, prompt_lens int [B] -> output dict."""
+    prompts, lens = self._inputs(prompts, prompt_lens)
+    return _compiled(self._shapes, self.spec_decode, self._options)(variables, prompts, lens, self.sampling, rng)
+
+  def generate_queue(self, variables, prompts, prompt_lens, rng, slots: int, limits=None) -> dict:
+    """Continuous batching (sampling/continuous.py): `slots` decode rows serve the Q prompts [Q, P'] in order; a
+    finished row takes the next prompt. limits int [Q] in [1, max_new_tokens]: each response's token budget
+    (default max_new_tokens). Request q's tokens equal `generate` of it alone with the key fold_in(rng, q)."""
+    prompts, lens = self._inputs(prompts, prompt_lens)
+    Q, N = prompts.shape[0], self.max_new_tokens
+    if self.spec_decode:
+      raise ValueError("generate_queue: continuous batching decodes one token per step (spec_decode must be off)")
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= Q:
+      raise ValueError(f"generate_queue: slots must be an int in [1, {Q}] (the number of prompts), got {slots!r}")
+    limits = jnp.full((Q,), N, jnp.int32) if limits is None else jnp.asarray(limits)
+    if limits.shape != (Q,) or not jnp.issubdtype(limits.dtype, jnp.integer):
+      raise ValueError(f"generate_queue: limits must be an integer array [Q={Q}], got {limits.dtype} {limits.shape}")
+    if int(limits.min()) < 1 or int(limits.max()) > N:
+      raise ValueError(f"generate_queue: limits must lie in [1, {N}] (max_new_tokens), got {limits.tolist()}")
+    fn = _compiled_queue(self._shapes, slots, self._options)
+    return fn(variables, prompts, lens, limits.astype(jnp.int32), self.sampling, rng)
+
+  def _inputs(self, prompts, prompt_lens):
+    """Checked prompts (left-padded to max_prompt_len, int32) and lengths (int32)."""
     prompts, lens = jnp.asarray(prompts), jnp.asarray(prompt_lens)
     if prompts.ndim != 2 or not jnp.issubdtype(prompts.dtype, jnp.integer):
       raise ValueError(f"prompts must be an integer array [B, P], got {prompts.dtype} {prompts.shape}")
@@ -164,9 +193,7 @@ class RolloutEngine:
     if ln is not None and (ln.min() < 1 or ln.max() > Pw):
       raise ValueError(f"prompt_lens must lie in [1, {Pw}] (prompts shape {prompts.shape}), got {ln.tolist()}")
     prompts = jnp.pad(prompts.astype(jnp.int32), ((0, 0), (self.max_prompt_len - Pw, 0)), constant_values=self.pad_id)
-    return _compiled(self._shapes, self.spec_decode, self._options)(
-      variables, prompts, lens.astype(jnp.int32), self.sampling, rng
-    )
+    return prompts, lens.astype(jnp.int32)
 
   # Low-level pieces (tests, benchmarks): the exact cached call generate() uses, in the engine's dtype.
   def init_cache(self, batch, length, lookahead=0, mtp=False):

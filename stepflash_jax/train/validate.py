@@ -87,6 +87,12 @@ def validate_run_config(c, num_devices: int | None = None) -> None:
     for k in MINIBATCHES:
       if n % r[k]:
         _err(f"rl.{k}", f"{r[k]} does not divide the generation's {n} responses")
+    slots = r.get("rollout_slots", 0)
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots <= n:
+      _err(
+        "rl.rollout_slots",
+        f"must be an integer in [0, {n}] (0 = static batching; at most the {n} responses), got {slots!r}",
+      )
     micro = r.get("micro_batch", 0)
     if isinstance(micro, bool) or not isinstance(micro, int) or micro < 0:
       _err("rl.micro_batch", f"must be an integer >= 0 (rows per model pass; 0 = the whole batch), got {micro!r}")
