@@ -83,8 +83,9 @@ def apply(
   replay_experts=None,
   logits=True,
 ):
-  """Run the model (logits=False: no logits, the head features `heads` instead; `Transformer`). Returns the output dict (and, if stats=True, the sown "moe_stats" tree plus
-  stats["expert_ids"] = {MoE layer name: int32 [B, T, k]}, the experts each layer chose).
+  """Run the model. Returns the output dict (and, if stats=True, the sown "moe_stats" tree plus
+  stats["expert_ids"] = {MoE layer name: int32 [B, T, k]}, the experts each layer chose). logits=False: no logits,
+  each head's (normed hidden, weight) as out["heads"] instead (`Transformer`, `head_logprobs`).
 
   replay_experts: such a dict (router replay, model/replay.py): every MoE layer of the main model uses the given
   experts instead of its top-k; the routing weights still come from the current router. MTP layers are not replayed.

@@ -60,7 +60,8 @@ def _chunks(weight, chunk_size):
 
 
 def _chunk_logits(hidden, w, start, vocab):
-  """Logits of one chunk [N, chunk], the padding columns (index >= vocab) at MASK_VALUE (exp() = 0, and 0 * MASK_VALUE stays finite)."""
+  """Logits of one chunk [N, chunk], the padding columns (index >= vocab) at MASK_VALUE: exp() = 0, and
+  0 * MASK_VALUE stays finite."""
   col = start + jnp.arange(w.shape[1], dtype=jnp.int32)
   return jnp.where(col[None, :] < vocab, _logits(hidden, w), MASK_VALUE)
 

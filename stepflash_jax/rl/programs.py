@@ -67,7 +67,12 @@ def objective_denominator(rcfg, mb):
       mb["logp_old"], mb["logp_rollout"], mb["mask"], tuple(rcfg.token_bounds), tuple(rcfg.traj_bounds)
     )
     return jnp.maximum(keep.sum(), 1.0)
-  return jnp.maximum((mb["mask"] != 0).sum().astype(jnp.float32), 1.0)
+  return valid_denominator(mb["mask"])
+
+
+def valid_denominator(mask):
+  """max(#valid tokens, 1): the "valid" normalizer of every loss (losses.py), as a number for micro-batches."""
+  return jnp.maximum((mask != 0).sum().astype(jnp.float32), 1.0)
 
 
 def split_rows(tree, micro: int):
@@ -228,8 +233,9 @@ def kl_coef_at(rcfg, step: int) -> float:
 class Programs:
   """The jitted pieces of a generation, compiled once per (model, config); `score` and `actor_step` take a static
   `replay` flag (router replay on / off: two programs). Every pass over the model runs in micro-batches of
-  rl.micro_batch rows (0, or a batch no larger: the whole batch at once): scoring maps over them, an update sums their gradients before
-  its one optimizer step, so memory depends on the micro-batch, not on the generation (docs/rl.md §10)."""
+  rl.micro_batch rows (0, or a batch no larger: the whole batch at once): scoring maps over them, an update sums
+  their gradients before its one optimizer step, so memory depends on the micro-batch, not on the generation
+  (docs/rl.md §1, step 6)."""
 
   def __init__(self, args, rcfg, actor_tx, critic_tx, prompt_len, freeze_mask):
     P = prompt_len
@@ -251,11 +257,13 @@ class Programs:
 
     self._jit = {"score": jax.jit(score, static_argnames="replay")}
 
+    def critic_values(cp, router, m):
+      """V(s_t) [n, R + 1] of a (micro-)batch."""
+      variables = {"params": cp, "router": router}
+      return response_values(args, variables, m["tokens"], m["positions"], m["segment_ids"], P)
+
     def values(cp, router, mb):
-      v = lambda m: response_values(
-        args, {"params": cp, "router": router}, m["tokens"], m["positions"], m["segment_ids"], P
-      )
-      return merge_rows(jax.lax.map(v, split_rows(mb, micro(mb))))
+      return merge_rows(jax.lax.map(lambda m: critic_values(cp, router, m), split_rows(mb, micro(mb))))
 
     self._jit["values"] = jax.jit(values)
 
@@ -264,7 +272,7 @@ class Programs:
       replay of the rollout's experts. Each micro-batch's loss is divided by the whole mini-batch's denominator,
       so the summed gradient is that of the mini-batch's loss; metrics from the concatenated log-probs."""
       kl_coef = jnp.asarray(rcfg.kl_coef if kl_coef is None else kl_coef, jnp.float32)
-      obj_den, kl_den = objective_denominator(rcfg, mb), jnp.maximum(mb["mask"].sum(), 1.0)
+      obj_den, kl_den = objective_denominator(rcfg, mb), valid_denominator(mb["mask"])
 
       def loss_fn(params, m):
         head, st = response_heads(args, {"params": params, "router": state["router"]}, m, P, replay)
@@ -294,12 +302,10 @@ class Programs:
     self._jit["actor_step"] = jax.jit(actor_step, static_argnames="replay")
 
     def critic_step(state, mb):
-      den = jnp.maximum(mb["mask"].sum(), 1.0)
+      den = valid_denominator(mb["mask"])
 
       def loss_fn(cp, m):
-        v = response_values(
-          args, {"params": cp, "router": state["router"]}, m["tokens"], m["positions"], m["segment_ids"], P
-        )
+        v = critic_values(cp, state["router"], m)
         return losses.value_loss(v[:, :-1], m["returns"], m["mask"], normalizer=den)[0], None
 
       loss, g, _ = accumulate(loss_fn, state["params"], mb, micro(mb))
