@@ -50,7 +50,12 @@ def get_config(arg: str = ""):
   r.rollout_dtype = "bfloat16"  # the inference engine's numerics: the source of train/inference mismatch
   r.rollout_quantize = "none"  # or "int8" / "fp8": weight-only quantized rollout engine (more mismatch)
   r.logit_noise = 0.0  # extra Gaussian noise on rollout logits (mismatch lab knob)
-  r.staleness = 0  # rollouts from the actor of k generations ago (mismatch lab knob)
+  # Off-policy rollouts (docs/rl.md §10): generation j is sampled by the actor of generation j - max_staleness. With
+  # async the rollout of generation j + 1 runs in a background thread while generation j trains (needs
+  # max_staleness >= 1); without it the same stale rollouts run in turn (the mismatch lab's staleness knob). Off
+  # here: on 2 CPU cores the rollout and the update share the cores (experiments/benchmarks/rl_async.py).
+  r["async"] = False  # `async` is a Python keyword: r["async"] here, --config.rl.async=True on the command line
+  r.max_staleness = 0
   r.token_bounds = (0.5, 2.0)  # MIS-PO token filter on pi_old / pi_vllm (inclusive)
   r.traj_bounds = (0.996, 1.001)  # MIS-PO trajectory filter on the geometric-mean ratio (asymmetric)
   r.normalizer = "valid"  # divide by all valid response tokens (filtered ones included); or "kept"

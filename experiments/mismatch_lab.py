@@ -55,7 +55,7 @@ def setting_overrides(lab, setting: str) -> dict:
     "fp32": dict(rollout_dtype="float32"),
     "bf16": dict(rollout_dtype="bfloat16"),
     "noise": dict(rollout_dtype="bfloat16", logit_noise=float(lab.noise_scale)),
-    "stale": dict(rollout_dtype="bfloat16", staleness=int(lab.stale_steps)),
+    "stale": dict(rollout_dtype="bfloat16", max_staleness=int(lab.stale_steps)),
   }
   if setting not in table:
     raise ValueError(f"config field 'lab.settings': unknown setting {setting!r}, known: {sorted(table)}")

@@ -14,10 +14,14 @@ What is exact and what is estimated:
     scores). remat "none": every layer keeps everything; "block" (model remat=True, what the code does): the
     scanned blocks keep only their input and one block is recomputed at a time, unrolled layers and MTP keep
     everything; "full": as "block" but every layer rematerialised (not implemented in the model: what it would
-    give). Logits: fp32 logits + log-softmax kept, one fp32 gradient transient, per head.
-  * RL: static = actor (params + optimizer) + critic (params + optimizer) + frozen reference params; on top the
-    largest phase: rollout (KV cache of all rows + prefill logits), scoring (forward over a mini-batch), actor
-    update (gradients + activations, no MTP) or critic update (gradients + activations, no logits).
+    give). Logits: never [tokens, V] at once (ops/logprobs.py, vocabulary-chunked): 12 fp32 bytes per token and
+    head (log-prob, log-sum-exp, entropy) plus one [tokens, chunk] block of logits, softmax and gradient.
+  * RL: static = actor (params + optimizer) + critic (params + optimizer) + frozen reference params (+ the
+    actors of the queued rollouts with rl.async: --rl_max_staleness copies); on top the largest phase: rollout
+    (KV cache of all rows + prefill logits), scoring (forward over one micro-batch; the whole generation without
+    micro-batches), actor update (gradients + accumulator + activations of one micro-batch, no MTP) or critic
+    update (the same, no logits). For each mesh the sweep also says how many rows per device and pass
+    (rl.micro_batch / batch shards) let the whole recipe fit: the answer to "can this slice run it".
 Not modelled: XLA temporaries/fragmentation (keep ~10-15% headroom), the compiled program, host offload.
 """
 
@@ -38,6 +42,7 @@ from ml_collections import config_flags
 from stepflash_jax import model as model_lib
 from stepflash_jax import parallel
 from stepflash_jax.train import state as state_lib
+from stepflash_jax.ops.logprobs import DEFAULT_CHUNK
 from stepflash_jax.optim import muon
 
 GiB = 2**30
@@ -58,9 +63,10 @@ _CF = flags.DEFINE_float("capacity_factor", 1.0, "MoE rows per device relative t
 _MICRO = flags.DEFINE_integer(
   "micro_rows",
   0,
-  "RL: rows per device per forward/backward pass with gradient "
-  "accumulation (0 = the whole mini-batch in one pass, as rl/trainer.py does today)",
+  "RL: rows per device per forward/backward pass with gradient accumulation (rl.micro_batch divided by the "
+  "batch shards; 0 = each batch in one pass)",
 )
+_STALE = flags.DEFINE_integer("rl_max_staleness", 0, "RL: rl.max_staleness (actors kept for queued rollouts)")
 _SWEEP = flags.DEFINE_bool("sweep", False, "print the hardware x mesh table instead of one plan")
 
 
@@ -156,7 +162,7 @@ def activation_bytes(args, tokens: float, sizes, remat: str, cf: float, mtp: boo
   """Per-device activation bytes of one training step over `tokens` tokens on this device."""
   t = sizes["tensor"]
   a = np.dtype(args.dtype).itemsize
-  H, V = args.hidden_size, args.vocab_size
+  H = args.hidden_size
   start, period, n = args.scan if args.scan else (len(args.layers), 0, 0)
   scanned = set(range(start, start + period * n))
   per = [layer_bytes(args, s, t, cf) for s in args.layers]
@@ -170,8 +176,13 @@ def activation_bytes(args, tokens: float, sizes, remat: str, cf: float, mtp: boo
     layers = len(per) * a * H + max(per)
   heads = 1 + (len(args.mtp_layers) if mtp else 0)
   mtp_layers = sum(a * 5 * H + layer_bytes(args, s, t, cf) for s in args.mtp_layers) if mtp else 0.0
-  logit = heads * 12 * V / t if logits else 0.0
+  logit = heads * 12 if logits else 0.0  # fp32 log-prob, log-sum-exp, entropy per token and head
   return {"layers": tokens * layers, "mtp": tokens * mtp_layers, "logits": tokens * logit}
+
+
+def chunk_bytes(args, tokens: float, sizes) -> float:
+  """The vocabulary-chunked log-probs' transient: fp32 logits, softmax and gradient of one chunk of columns."""
+  return tokens * min(args.vocab_size, DEFAULT_CHUNK) * 12 / sizes["tensor"]
 
 
 def kv_cache_bytes(args, rows: float, length: int, sizes, dtype: str) -> float:
@@ -211,6 +222,7 @@ def plan(
   cf,
   hbm_gib,
   micro_rows=0,
+  max_staleness=0,
 ) -> dict:
   """Per-device bytes of SFT and RL on a mesh (see the module docstring); `budget` = 90% of HBM."""
   args = model_lib.as_args(cfg)
@@ -223,7 +235,24 @@ def plan(
 
   out["sft"] = _sft_plan(args, sizes, lm, batch, seq_len, remat, cf, budget)
   rl = dict(prompt_len=prompt_len, response_len=response_len, actor_mb=actor_mb, critic_mb=critic_mb)
-  out["rl"] = _rl_plan(args, sizes, lm, value, remat, cf, budget, prompts * samples, rollout_dtype, micro_rows, **rl)
+  rl_plan = functools.partial(
+    _rl_plan,
+    args,
+    sizes,
+    lm,
+    value,
+    remat,
+    cf,
+    budget,
+    prompts * samples,
+    rollout_dtype,
+    max_staleness=max_staleness,
+    **rl,
+  )
+  out["rl"] = rl_plan(micro_rows)
+  rows = out["rl"]["rows_per_device"]["actor_mb"]
+  halvings = [rows >> i for i in range(rows.bit_length())]  # rows, rows / 2, ..., 1
+  out["rl"]["fitting_micro_rows"] = next((m for m in halvings if rl_plan(m)["total"] <= budget), 0)
   return out
 
 
@@ -239,13 +268,15 @@ def _sft_plan(args, sizes, lm, batch, seq_len, remat, cf, budget) -> dict:
   }
   static = sum(sft.values())
   sft.update({f"act_{k}": v * rows * seq_len for k, v in sft_tok.items()})
+  sft["logit_chunk"] = chunk_bytes(args, rows * seq_len, sizes)
+  per_token = sum(sft_tok.values()) + chunk_bytes(args, 1, sizes)
   return {
     "bytes": sft,
     "total": sum(sft.values()),
     "static": static,
     "rows_per_device": rows,
-    "act_per_token": sum(sft_tok.values()),
-    "max_tokens": max(0.0, budget - static) / sum(sft_tok.values()),
+    "act_per_token": per_token,
+    "max_tokens": max(0.0, budget - static) / per_token,
   }
 
 
@@ -265,8 +296,9 @@ def _rl_plan(
   response_len,
   actor_mb,
   critic_mb,
+  max_staleness=0,
 ) -> dict:
-  """RL: actor + critic + reference resident; the largest phase on top."""
+  """RL: actor + critic + reference (+ queued rollouts' actors) resident; the largest phase on top."""
   t, V = sizes["tensor"], args.vocab_size
   L = prompt_len + response_len
   resident = {
@@ -274,6 +306,8 @@ def _rl_plan(
     "critic": value["params"] + value["router"] + value["opt"],
     "reference": lm["params"] + lm["router"],
   }
+  if max_staleness:  # rl.async: the actors that sample the queued generations (rl/rollouts.py)
+    resident["queued_actors"] = max_staleness * (lm["params"] + lm["router"])
   if np.dtype(args.param_dtype) != np.dtype(rollout_dtype):
     resident["rollout_cast"] = lm["params"] * np.dtype(rollout_dtype).itemsize // np.dtype(args.param_dtype).itemsize
   r_rows, a_rows, c_rows = (
@@ -285,15 +319,20 @@ def _rl_plan(
   if micro_rows:  # gradient accumulation: one fp32 accumulator, passes of micro_rows rows
     a_rows, c_rows = min(a_rows, micro_rows), min(c_rows, micro_rows)
     accum = {h: x["grads"] * 4 // np.dtype(args.param_dtype).itemsize for h, x in (("lm", lm), ("value", value))}
-  actor_tok = sum(activation_bytes(args, 1, sizes, remat, cf, mtp=False, logits=False).values()) + 12 * V / t
+  actor_tok = sum(activation_bytes(args, 1, sizes, remat, cf, mtp=False, logits=True).values())
   critic_tok = sum(activation_bytes(args, 1, sizes, remat, cf, mtp=False, logits=False).values())
   layer_max = max(layer_bytes(args, s_, t, cf) for s_ in args.layers)
+  s_rows = min(r_rows, micro_rows) if micro_rows else r_rows
   phases = {
-    # KV cache of every row + fp32 logits of every prompt position (the engine's prefill returns them all)
+    # KV cache of every row + fp32 logits of every prompt position (the engine's prefill computes them all)
     "rollout": kv_cache_bytes(args, r_rows, L, sizes, rollout_dtype) + r_rows * prompt_len * 4 * V / t,
-    # logp_old / logp_ref / values over one actor mini-batch (the code scores the whole generation at once)
-    "score": a_rows * L * (8 * V / t + layer_max),
-    "actor_update": lm["grads"] + accum["lm"] + lm["muon_transient"] + a_rows * L * actor_tok,
+    # logp_old / logp_ref / values: one micro-batch at a time (the whole generation without micro-batches)
+    "score": s_rows * L * (layer_max + 12) + chunk_bytes(args, s_rows * L, sizes),
+    "actor_update": lm["grads"]
+    + accum["lm"]
+    + lm["muon_transient"]
+    + a_rows * L * actor_tok
+    + chunk_bytes(args, a_rows * L, sizes),
     "critic_update": value["grads"] + accum["value"] + value["muon_transient"] + c_rows * L * critic_tok,
   }
   res = sum(resident.values())
@@ -306,7 +345,8 @@ def _rl_plan(
     "total": res + phases[peak],
     "rows_per_device": {"rollout": r_rows, "actor_mb": a_rows, "critic_mb": c_rows},
     "act_per_token": actor_tok,
-    "max_tokens": max(0.0, budget - res - lm["grads"] - accum["lm"] - lm["muon_transient"]) / actor_tok,
+    "max_tokens": max(0.0, budget - res - lm["grads"] - accum["lm"] - lm["muon_transient"])
+    / (actor_tok + chunk_bytes(args, 1, sizes)),
   }
 
 
@@ -342,6 +382,12 @@ def print_plan(p, sizes, hbm_gib, kw):
     f"  actor update {r['act_per_token'] / 1024:.0f} KiB/token -> at most {r['max_tokens']:.0f} tokens per "
     f"device per update within 90% HBM"
   )
+  fit = r["fitting_micro_rows"]
+  print(
+    f"  the whole recipe fits in 90% HBM with {fit} row(s) per device per pass (rl.micro_batch = {fit} x batch shards)"
+    if fit
+    else "  the whole recipe does not fit in 90% HBM even with one row per device per pass"
+  )
 
 
 HARDWARE = [  # (name, devices, GiB per device, candidate meshes)
@@ -367,9 +413,9 @@ def sweep(cfg, kw):
   )
   print(
     "| hardware | mesh | SFT static | SFT max tok | SFT step (rows/dev) | RL resident | RL max tok (actor) | "
-    "RL peak phase | RL total |"
+    "RL peak phase | RL total | full RL recipe: rows/dev per pass that fit |"
   )
-  print("|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   for name, n, hbm, meshes in HARDWARE:
     for m in meshes:
       sizes = parse_mesh(m)
@@ -382,7 +428,7 @@ def sweep(cfg, kw):
         f"| {name}, {hbm:.0f} GiB | {m} | {_g(s['static'])} | {s['max_tokens'] / 1024:.0f}K | "
         f"{_g(s['total'])}{mark(s['total'])} ({s['rows_per_device']}) | {_g(r['static'])}{mark(r['static'])} | "
         f"{r['max_tokens'] / 1024:.0f}K | {r['peak_phase']} {_g(r['phases'][r['peak_phase']])} | "
-        f"{_g(r['total'])}{mark(r['total'])} |"
+        f"{_g(r['total'])}{mark(r['total'])} | {r['fitting_micro_rows'] or 'none'} |"
       )
 
 
@@ -401,6 +447,7 @@ def main(_):
     rollout_dtype=_ROLL_DTYPE.value,
     cf=_CF.value,
     micro_rows=_MICRO.value,
+    max_staleness=_STALE.value,
   )
   if _SWEEP.value:
     sweep(cfg, kw)

@@ -5,7 +5,9 @@
 Without --workdir it writes to runs/<config name>. Rerunning the same command resumes from the latest checkpoint.
 """
 
+import keyword
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,6 +31,13 @@ flags.mark_flags_as_required(["config"])
 
 def default_workdir(config_path: str) -> str:
   return os.path.join("runs", os.path.splitext(os.path.basename(config_path))[0])
+
+
+def keyword_fields(argv: list[str]) -> list[str]:
+  """--config.rl.async=True -> --config.rl['async']=True: ml_collections parses an override's path as Python, where
+  a keyword (`async`) is not a field name."""
+  path = lambda m: "".join(f"['{k}']" if keyword.iskeyword(k) else f".{k}" for k in m[1].split(".")[1:])
+  return [re.sub(r"^--(config(?:\.\w+)+)(?==)", lambda m: "--config" + path(m), a) for a in argv]
 
 
 def main(argv):
@@ -69,4 +78,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  sys.argv = keyword_fields(sys.argv)  # ml_collections reads sys.argv itself
   app.run(main)

@@ -46,7 +46,7 @@ def test_variants_full(configs):
   by = {v["name"]: v for v in vs}
   assert by["mispo-fp32-s0"]["rl"] == dict(objective="mispo", rollout_dtype="float32")
   assert by["tis-noise-s0"]["rl"] == dict(objective="tis", rollout_dtype="bfloat16", logit_noise=c.lab.noise_scale)
-  assert by["gspo-stale-s0"]["rl"]["staleness"] == c.lab.stale_steps
+  assert by["gspo-stale-s0"]["rl"]["max_staleness"] == c.lab.stale_steps
   assert {v["seed"] for v in vs if v["group"] == "ppo/bf16"} == {0, 1, 2}
   assert {v["seed"] for v in vs if v["group"] == "gspo/bf16"} == {0}
   t = by["trunc-zero-n31-s2"]

@@ -285,7 +285,7 @@ def test_mismatch_stats_match_numpy(setup):
   np.testing.assert_allclose(got["mis_kept_frac"], (tok_ok[:4] & traj_ok[:, None]).sum() / mask.sum(), rtol=1e-6)
 
 
-def _rl_cmd(workdir, steps, sft_workdir=""):
+def _rl_cmd(workdir, steps, sft_workdir="", overlap=False):
   small = [
     "--config.train.steps=4",
     "--config.train.checkpoint_every=4",
@@ -301,6 +301,8 @@ def _rl_cmd(workdir, steps, sft_workdir=""):
     "--config.rl.max_new_tokens=8",
     "--config.rl.rollout_slots=2",  # continuous batching: 2 rows serve the 4 responses (static: notebooks 02, 04)
     "--config.rl.micro_batch=1",  # every pass in micro-batches of one row
+    "--config.rl.max_staleness=1",  # generation j sampled by the actor of j - 1 ...
+    f"--config.rl.async={overlap}",  # ... in the background while j - 1 trains, or in turn
     "--config.rl.checkpoint_every=2",
     "--config.rl.eval_every=100",
     f"--config.rl.sft_workdir={sft_workdir}",
@@ -316,7 +318,9 @@ def _rl_cmd(workdir, steps, sft_workdir=""):
 
 
 def test_rl_resume_equals_uninterrupted(tmp_path):
-  """4 generations in one go == 2 generations, then a rerun of the command that resumes to 4 (same SFT)."""
+  """4 generations in one go == 2 generations, then a rerun of the command that resumes to 4 (same SFT); the
+  first run samples each generation in turn, the other two overlap it with the previous generation's training
+  (rl.async): the same rollouts, updates and metrics."""
   env = dict(
     os.environ,
     PYTHONUNBUFFERED="1",
@@ -325,12 +329,13 @@ def test_rl_resume_equals_uninterrupted(tmp_path):
   )  # the three runs compile the same programs once
   a, b = tmp_path / "a", tmp_path / "b"
   subprocess.run(_rl_cmd(a, 4), check=True, env=env, capture_output=True, timeout=900)
-  subprocess.run(_rl_cmd(b, 2, a / "sft"), check=True, env=env, capture_output=True, timeout=900)
-  out = subprocess.run(_rl_cmd(b, 4, a / "sft"), check=True, env=env, capture_output=True, text=True, timeout=900)
+  subprocess.run(_rl_cmd(b, 2, a / "sft", True), check=True, env=env, capture_output=True, timeout=900)
+  out = subprocess.run(_rl_cmd(b, 4, a / "sft", True), check=True, env=env, capture_output=True, text=True, timeout=900)
   assert "resumed from generation 2" in out.stdout
   rows = lambda w: {r["step"]: r for r in map(json.loads, open(w / "rl" / "metrics_rl.jsonl")) if "reward" in r}
   ra, rb = rows(a), rows(b)
   assert sorted(ra) == sorted(rb) == [1, 2, 3, 4]
   for s in ra:
-    for k in ("reward", "actor_loss", "actor_grad_norm", "critic_loss", "kl", "entropy", "value_mean"):
+    assert ra[s]["staleness"] == rb[s]["staleness"] == min(s - 1, 1)
+    for k in ("reward", "actor_loss", "actor_grad_norm", "critic_loss", "kl", "entropy", "value_mean", "kept_frac"):
       assert ra[s][k] == rb[s][k], (s, k, ra[s][k], rb[s][k])

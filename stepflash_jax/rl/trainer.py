@@ -17,11 +17,11 @@ greedy accuracy at intervals. The compiled programs live in programs.py, the hos
 
 from __future__ import annotations
 
-import collections
 import functools
 import json
 import os
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,7 @@ from stepflash_jax.rl.batches import minibatches, repeat_prompts, sequences
 from stepflash_jax.rl.critic import critic_from_actor
 from stepflash_jax.rl.programs import Programs, kl_coef_at
 from stepflash_jax.rl.rewards import score_batch
+from stepflash_jax.rl.rollouts import RolloutQueue
 from stepflash_jax.sampling import RolloutEngine
 from stepflash_jax.train import evaluate, sft
 from stepflash_jax.train import state as state_lib
@@ -99,9 +100,13 @@ def _run(config, workdir, log, mesh, rules):
   )
   rl_dir = os.path.join(workdir, "rl")
   ckpt = Checkpointer(os.path.join(rl_dir, "checkpoints"), max_to_keep=config.train.keep_checkpoints)
+  actor_vars = lambda: {"params": state["actor"]["params"], "router": state["actor"]["router"]}
+  s = rc.get("max_staleness", 0)
+  behind = [actor_vars()] * s  # the actors of generations start - s .. start - 1 (rollouts.py)
   start = ckpt.latest_step() or 0
   if start:
-    state, extra = ckpt.restore(start, target=state)
+    state, extra = ckpt.restore(start, target={**state, "behind": behind} if s else state)
+    behind = state.pop("behind", [])
     data.set_state(extra["data"])
     log(f"rl: resumed from generation {start} in {rl_dir}")
   writer = MetricsWriter(rl_dir, "rl", resume_step=start if start else -1)  # a fresh start drops a stale log
@@ -109,7 +114,14 @@ def _run(config, workdir, log, mesh, rules):
     writer.write(0, {f"eval/{k}": v for k, v in acc0.items()})
   fns = Programs(args, rc, actor_tx, critic_tx, P, frozen_mask(ref["params"], rc.freeze_router))
   engine = rollout_engine(config, tok)
-  stale = collections.deque(maxlen=rc.staleness + 1)  # rollout policy = actor of `staleness` steps ago
+
+  def sample(policy, prompts, index):  # in the rollout thread with rl.async: its own mesh context
+    with parallel.use_mesh(mesh, rules):
+      return rollout(engine, policy, prompts, generation_rng(config.seed, index)[0], rc, mesh, rules)
+
+  repeat = functools.partial(repeat_prompts, n=rc.samples_per_prompt)
+  queue = RolloutQueue(sample, data, s, background=rc.get("async", False), prepare=repeat)
+  queue.start(start, rc.steps, behind)
   prog = Progress(
     rc.steps,
     every=rc.log_every,
@@ -118,58 +130,80 @@ def _run(config, workdir, log, mesh, rules):
     keys=["reward", "accuracy", "actor_grad_norm", "critic_loss", "kept_frac", "confidence_rollout"],
   )
   acc = acc0
-  actor_vars = lambda: {"params": state["actor"]["params"], "router": state["actor"]["router"]}
-  for step in range(start, rc.steps):
-    t0, clock = time.time(), StageClock()
-    rng = np.random.default_rng([config.seed, step])
-    stale.append(actor_vars())
-    prompts = repeat_prompts(next(data), rc.samples_per_prompt)
-    pb = parallel.shard_batch(
-      {"tokens": prompts["tokens"], "lengths": prompts["lengths"]}, mesh, rules, global_batch=True
-    )
-    key, slots = jax.random.key(rng.integers(2**31)), rc.get("rollout_slots", 0)
-    if slots:  # continuous batching: `slots` rows serve the generation's prompts (sampling/continuous.py)
-      gen = engine.generate_queue(stale[0], pb["tokens"], pb["lengths"], key, slots=slots)
-    else:
-      gen = engine.generate(stale[0], pb["tokens"], pb["lengths"], key)
-    gen = parallel.to_host(gen)
-    clock.stop("rollout")
-    batch = sequences(prompts, gen)
-    if step == start:
-      flags = {"off": (False,), "always": (True,), "auto": (False, True)}[rc.router_replay]
-      fns.compile(state, batch, (rc.actor_minibatches, rc.critic_minibatches), mesh, rules, replay=flags)
-      clock.stop("compile")
-    # router replay (docs/rl.md §8): always, or when the rollout's routing confidence is low
-    replay = rc.router_replay == "always" or (
-      rc.router_replay == "auto" and float(gen["routing_confidence"]) < rc.replay_threshold
-    )
-    texts = [tok.decode(r, stop_at_eos=True) for r in batch["response"]]
-    scored = score_batch(rc.reward, prompts["examples"], texts, np.asarray(gen["truncated"]))
-    clock.stop("reward")
-    scores = score_generation(fns, state, ref, batch, scored, rc, mesh, rules, replay)
-    clock.stop("score")
-    state, am, cm = update(fns, state, batch, rc, step, rng, mesh, rules, replay)
-    clock.stop("update")
-    metrics = generation_metrics(batch, gen, scored, scores, am, cm)
-    metrics["router_replay"] = float(replay)
-    metrics["tokens_per_s"] = metrics["response_tokens"] * len(batch["mask"]) / (time.time() - t0)
-    if metrics["skipped"]:
-      log(f"rl: generation {step + 1}: {int(metrics['skipped'])} non-finite update(s) skipped")
-    if due(step + 1, rc.eval_every, rc.steps):
-      acc = evaluate.accuracy(config, actor_vars(), tok, eval_set)
-      metrics.update({f"eval/{k}": v for k, v in acc.items()})
-      clock.stop("eval")
-      log(f"rl: generation {step + 1}: held-out accuracy {acc['accuracy']:.3f} (SFT {acc0['accuracy']:.3f})")
-    metrics.update(clock.seconds())
-    writer.write(step + 1, metrics)
-    prog.update(step + 1, metrics)
-    if due(step + 1, rc.checkpoint_every, rc.steps):
-      ckpt.save(step + 1, state, {"data": data.get_state()}, force=True)
+  ctx = types.SimpleNamespace(config=config, fns=fns, ref=ref, tok=tok, mesh=mesh, rules=rules, start=start)
+  try:
+    for step in range(start, rc.steps):
+      t0, clock = time.time(), StageClock()
+      queue.advance(step, rc.steps, actor_vars())  # generation step + s: sampled by this actor
+      prompts, gen, version = queue.take(step)
+      clock.stop("rollout")
+      state, metrics = train_generation(ctx, state, step, prompts, gen, clock)
+      metrics.update(staleness=float(step - version), rollout_sample_s=gen["sample_seconds"])
+      metrics["tokens_per_s"] = metrics["response_tokens"] * len(gen["response"]) / (time.time() - t0)
+      if metrics["skipped"]:
+        log(f"rl: generation {step + 1}: {int(metrics['skipped'])} non-finite update(s) skipped")
+      if due(step + 1, rc.eval_every, rc.steps):
+        acc = evaluate.accuracy(config, actor_vars(), tok, eval_set)
+        metrics.update({f"eval/{k}": v for k, v in acc.items()})
+        clock.stop("eval")
+        log(f"rl: generation {step + 1}: held-out accuracy {acc['accuracy']:.3f} (SFT {acc0['accuracy']:.3f})")
+      metrics.update(clock.seconds())
+      writer.write(step + 1, metrics)
+      prog.update(step + 1, metrics)
+      if due(step + 1, rc.checkpoint_every, rc.steps):
+        behind, data_state = queue.checkpoint()
+        ckpt.save(step + 1, {**state, "behind": behind} if s else state, {"data": data_state}, force=True)
+  finally:
+    queue.close()
   writer.close()
   ckpt.wait()
   if start >= rc.steps:
     acc = evaluate.accuracy(config, actor_vars(), tok, eval_set)
   return finish(config, workdir, acc0, acc, log)
+
+
+def generation_rng(seed: int, step: int):
+  """(the rollout's key, the host RNG of the update's mini-batch permutations) of generation `step`."""
+  rng = np.random.default_rng([seed, step])
+  return jax.random.key(rng.integers(2**31)), rng
+
+
+def rollout(engine, policy, prompts, key, rc, mesh, rules) -> dict:
+  """The rollout engine's samples for a prompt batch (static batching, or rl.rollout_slots rows served
+  continuously: sampling/continuous.py), on the host."""
+  pb = parallel.shard_batch(
+    {"tokens": prompts["tokens"], "lengths": prompts["lengths"]}, mesh, rules, global_batch=True
+  )
+  slots = rc.get("rollout_slots", 0)
+  if slots:
+    return parallel.to_host(engine.generate_queue(policy, pb["tokens"], pb["lengths"], key, slots=slots))
+  return parallel.to_host(engine.generate(policy, pb["tokens"], pb["lengths"], key))
+
+
+def train_generation(ctx, state, step, prompts, gen, clock):
+  """Steps 2-4 of one generation on its rollout: rewards, scoring, advantages, the update epoch.
+  Returns (state, the generation's metrics)."""
+  rc, fns = ctx.config.rl, ctx.fns
+  batch = sequences(prompts, gen)
+  if step == ctx.start:
+    flags = {"off": (False,), "always": (True,), "auto": (False, True)}[rc.router_replay]
+    fns.compile(state, batch, (rc.actor_minibatches, rc.critic_minibatches), ctx.mesh, ctx.rules, replay=flags)
+    clock.stop("compile")
+  # router replay (docs/rl.md §8): always, or when the rollout's routing confidence is low
+  replay = rc.router_replay == "always" or (
+    rc.router_replay == "auto" and float(gen["routing_confidence"]) < rc.replay_threshold
+  )
+  texts = [ctx.tok.decode(r, stop_at_eos=True) for r in batch["response"]]
+  scored = score_batch(rc.reward, prompts["examples"], texts, np.asarray(gen["truncated"]))
+  clock.stop("reward")
+  scores = score_generation(fns, state, ctx.ref, batch, scored, rc, ctx.mesh, ctx.rules, replay)
+  clock.stop("score")
+  rng = generation_rng(ctx.config.seed, step)[1]
+  state, am, cm = update(fns, state, batch, rc, step, rng, ctx.mesh, ctx.rules, replay)
+  clock.stop("update")
+  metrics = generation_metrics(batch, gen, scored, scores, am, cm)
+  metrics["router_replay"] = float(replay)
+  return state, metrics
 
 
 def score_generation(fns, state, ref, batch, scored, rc, mesh, rules, replay=False) -> dict:

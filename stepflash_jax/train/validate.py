@@ -99,6 +99,13 @@ def validate_run_config(c, num_devices: int | None = None) -> None:
     for rows, what in [(n, "generation")] + [(n // r[k], f"mini-batches of rl.{k}={r[k]}") for k in MINIBATCHES]:
       if micro and rows > micro and rows % micro:  # a batch no larger than micro_batch is one pass
         _err("rl.micro_batch", f"{micro} does not divide the {rows}-row {what}")
+    stale = r.get("max_staleness", 0)
+    if isinstance(stale, bool) or not isinstance(stale, int) or stale < 0:
+      _err("rl.max_staleness", f"must be an integer >= 0 (generations between sampling and training), got {stale!r}")
+    if not isinstance(r.get("async", False), bool):
+      _err("rl.async", f"must be True or False, got {r['async']!r}")
+    if r.get("async", False) and stale < 1:
+      _err("rl.async", "overlapped generation samples generation j + 1 while j trains: needs rl.max_staleness >= 1")
     lo, hi = r.token_bounds
     if not 0 < lo <= 1 <= hi:
       _err("rl.token_bounds", f"need 0 < low <= 1 <= high, got {tuple(r.token_bounds)}")
