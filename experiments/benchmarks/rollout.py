@@ -1,7 +1,8 @@
 """Rollout engine: KV-cached decoding vs recompute-from-scratch, KV-cache bytes, MTP-3 speculative decoding,
-continuous vs static batching.
+continuous vs static batching, and against transformers' `generate`.
 
     python experiments/benchmarks/rollout.py [--batch 8 --new_tokens 256 --prompt_len 16 --train_steps 300]
+    python experiments/benchmarks/rollout.py --skip 1,2,3,4 --hf_code_dir DIR   # section 5 only
 
 1. Greedy decoding of `new_tokens` tokens, tiny config, fp32: the engine (prefill + one cached token per step) vs a
    no-cache decoder that reruns the full forward over the fixed [B, P + N] buffer every step (one compiled program,
@@ -17,6 +18,15 @@ continuous vs static batching.
    quarter with a budget of `new_tokens` tokens and the rest `new_tokens / 16`, temperature 1, bf16. Static: groups
    of `batch` requests in queue order, each decoded until its longest budget (an engine per budget); continuous:
    `batch` slots over the whole queue (`generate_queue`). Tokens/s counts the budgeted response tokens. Goal >= 1.5x.
+5. Our engine vs Hugging Face transformers' `generate` (KV cache on) on one checkpoint: train_step_hf.py's random
+   Step3p5 (hidden 256, 8 layers, 16 experts top-2, vocab 512) written by `save_hf_checkpoint`, read back by
+   `load_hf_checkpoint` (ours) and by StepFun's public modeling_step3p5.py (`--hf_code_dir`, as in
+   train_step_hf.py; torch and transformers from the `hfbench` extra). Greedy, float32 on both sides, `batch`
+   random prompts of `prompt_len` tokens, `new_tokens` new tokens, EOS = 1 on both sides; median of `reps` calls
+   after a warm-up (ours: after its compile), and the fraction of generated tokens on which the two agree. The
+   remote code mishandles per-row position ids for batches > 1, so its `generate` runs with the default positions
+   (the same here: every prompt has `prompt_len` tokens).
+   Skipped with a message when the modeling file, torch or transformers is missing. Goal >= 3x.
 """
 
 from __future__ import annotations
@@ -243,6 +253,56 @@ def section_continuous(cfg, v, a):
   )
 
 
+def section_hf_generate(a):
+  from train_step_hf import load_hf_model, missing, write_checkpoint  # this script's folder is on sys.path
+
+  lacking = missing(a)
+  if lacking:
+    print("\n5. vs transformers' generate: skipped, missing " + "; ".join(lacking))
+    return
+  import tempfile
+
+  import torch
+
+  B, P, N = a.batch, a.prompt_len, a.new_tokens
+  prompts = np.random.RandomState(5).randint(2, 512, (B, P)).astype(np.int32)
+  with tempfile.TemporaryDirectory() as ckpt:
+    write_checkpoint(ckpt, 512)
+    cfg, v = sfj.load_hf_checkpoint(ckpt)
+    hf, note = load_hf_model(a.hf_code_dir, ckpt)
+  hf.eval()
+  prepare = hf.prepare_inputs_for_generation
+
+  def without_position_ids(*args, **kwargs):  # (named kwargs: generate() inspects the signature)
+    # The remote code's RoPE broadcasts [B, T] position ids against [B, heads, T, D] (right only for B = 1); the
+    # prompts have one length, so the model's default (the cache positions) are the same positions.
+    out = prepare(*args, **kwargs)
+    out.pop("position_ids", None)
+    return out
+
+  hf.prepare_inputs_for_generation = without_position_ids
+  engine = RolloutEngine(
+    cfg, max_prompt_len=P, max_new_tokens=N, eos_id=EOS, pad_id=PAD, dtype="float32", temperature=0.0
+  )
+  ours = lambda i: engine.generate(v, prompts, np.full(B, P, np.int32), jax.random.key(i))
+  ids = torch.from_numpy(prompts.astype(np.int64))
+  kw = dict(max_new_tokens=N, do_sample=False, use_cache=True, eos_token_id=EOS, pad_token_id=PAD)
+
+  def theirs(i):
+    with torch.no_grad():
+      return hf.generate(ids, attention_mask=torch.ones_like(ids), **kw)[:, P:]
+
+  t_ours, t_hf = timed(ours, a.reps), timed(theirs, a.reps)
+  got, ref = np.asarray(ours(0)["response"]), theirs(0).numpy()
+  agree = float(np.mean(got[:, : ref.shape[1]] == ref))
+  print(
+    f"\n5. vs transformers' generate: {B} prompts x {P} tokens + {N} new, greedy, float32 ({note}, torch {torch.__version__})"
+  )
+  print(f"   transformers {t_hf:7.2f} s  {B * N / t_hf:8.0f} tok/s")
+  print(f"   ours         {t_ours:7.2f} s  {B * N / t_ours:8.0f} tok/s   ratio {t_hf / t_ours:.2f}x (goal >= 3)")
+  print(f"   same greedy tokens: {agree:.3f} of {ref.size}")
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--config", default=os.path.join(ROOT, "configs", "model", "tiny.py"))
@@ -252,7 +312,8 @@ def main():
   ap.add_argument("--train_steps", type=int, default=100)
   ap.add_argument("--recompute_steps", type=int, default=32)
   ap.add_argument("--reps", type=int, default=3)
-  ap.add_argument("--skip", default="", help="comma-separated sections to skip: 1,2,3,4")
+  ap.add_argument("--hf_code_dir", default=None, help="section 5: folder holding StepFun's modeling_step3p5.py")
+  ap.add_argument("--skip", default="", help="comma-separated sections to skip: 1,2,3,4,5")
   a = ap.parse_args()
   cfg = load_config_file(a.config)
   v = sfj.init(cfg, jax.random.key(0))
@@ -266,6 +327,8 @@ def main():
     section_spec(cfg, v, a)
   if "4" not in skip:
     section_continuous(cfg, v, a)
+  if "5" not in skip:
+    section_hf_generate(a)
 
 
 if __name__ == "__main__":
