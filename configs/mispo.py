@@ -1,6 +1,6 @@
 """The main job: SFT of the tiny Step 3.5 Flash, then RL with MIS-PO and a critic (docs/rl.md, toy scale).
 
-  python experiments/run.py --config=configs/mispo.py            # 34 min on 2 cores (Xeon @ 2.00GHz), runs/mispo
+  python experiments/run.py --config=configs/mispo.py            # 17 min on 2 cores (Xeon @ 2.00GHz, 2026-12-02), runs/mispo
   python experiments/run.py --config=configs/mispo.py:small      # ~3 minute smoke run of every stage
   python experiments/run.py --config=configs/mispo.py:pretrained # SFT from the pre-training stage (configs/pretrain.py)
 configs/ppo.py and configs/gspo.py are this file with another objective (same budget, same seeds).
@@ -53,7 +53,8 @@ def get_config(arg: str = ""):
   # Off-policy rollouts (docs/rl.md §10): generation j is sampled by the actor of generation j - max_staleness. With
   # async the rollout of generation j + 1 runs in a background thread while generation j trains (needs
   # max_staleness >= 1); without it the same stale rollouts run in turn (the mismatch lab's staleness knob). Off
-  # here: on 2 CPU cores the rollout and the update share the cores (experiments/benchmarks/rl_async.py).
+  # here: on 2 CPU cores the rollout and the update share the cores (2026-12-02, experiments/benchmarks/rl_async.py:
+  # 0.92x, identical metrics); it pays off when the rollout engine has devices of its own.
   r["async"] = False  # `async` is a Python keyword: r["async"] here, --config.rl.async=True on the command line
   r.max_staleness = 0
   r.token_bounds = (0.5, 2.0)  # MIS-PO token filter on pi_old / pi_vllm (inclusive)

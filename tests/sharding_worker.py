@@ -224,6 +224,7 @@ def _worker():
   for name, fn in (
     ("ep", _ep_strategies),
     ("attention", _local_attention),
+    ("pallas_model", lambda: _pallas_model(cfg)),
     ("muon", lambda: _muon_collectives(args)),
     ("rollout", lambda: _rollout(args, variables, rules)),
     ("init", lambda: _sharded_init(args, variables, rules)),
@@ -307,6 +308,39 @@ def _local_attention():
   with parallel.use_mesh(mesh, parallel.DEFAULT_RULES):
     y, g = jax.jit(lambda: value_and_grads(parallel.local_ops.sliding_window_attention))()
   return {"y": _maxdiff(y, y0), "grad": _maxdiff(g, g0)}
+
+
+def _pallas_model(cfg):
+  """The model with the Pallas attention kernel (interpreted) under a batch x tensor mesh: logits and parameter
+  gradients equal one device's, and the compiled program has no all-gather inside an attention block (called on
+  sharded q/k/v, GSPMD gathers them for the kernel; parallel/local_ops.py runs it per device instead)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from stepflash_jax import model as model_lib
+  from stepflash_jax import parallel
+
+  c = cfg.copy_and_resolve_references()
+  c.attention_impl = "pallas"
+  args = model_lib.as_args(c)
+  variables = model_lib.init(args, jax.random.key(2))
+  B, T = 4, 16
+  tokens = jnp.asarray(np.random.default_rng(4).integers(0, args.vocab_size, (B, T)), jnp.int32)
+  seg = jnp.asarray(np.repeat([[1] * 10 + [2] * 6], B, 0), jnp.int32)
+
+  def loss(params):
+    logits = model_lib.apply(args, {**variables, "params": params}, tokens, segment_ids=seg)["logits"]
+    return jnp.mean(jnp.cos(logits)), logits
+
+  grad = jax.grad(loss, has_aux=True)
+  g0, y0 = jax.jit(grad)(variables["params"])
+  mesh = parallel.make_mesh({"data": 2, "tensor": 2, "fsdp": 1, "expert": 1}, devices=jax.devices()[:4])
+  with parallel.use_mesh(mesh, parallel.DEFAULT_RULES):
+    step = jax.jit(grad)
+    hlo = step.lower(variables["params"]).compile().as_text()
+    g, y = step(variables["params"])
+  gathers = [ln for ln in hlo.splitlines() if " all-gather(" in ln and "/attn/" in ln.split("metadata=")[-1]]
+  return {"logits": _maxdiff(y, y0), "grad": _maxdiff(g, g0), "attention_gathers": len(gathers)}
 
 
 def _muon_collectives(args):

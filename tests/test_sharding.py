@@ -75,6 +75,11 @@ def test_local_attention_matches_single_device(report):
   assert report["attention"]["y"] <= 1e-5 and report["attention"]["grad"] <= 1e-5, report["attention"]
 
 
+def test_pallas_attention_runs_per_device_in_the_model(report):
+  r = report["pallas_model"]
+  assert r["logits"] <= 1e-5 and r["grad"] <= 1e-5 and r["attention_gathers"] == 0, r
+
+
 def test_muon_orthogonalises_experts_where_they_live(report):
   assert report["muon"]["data2_expert4"]["collectives"] == 0, report["muon"]
   assert report["muon"]["fsdp2_expert2_tensor2"]["full_stack_collectives"] == 0, report["muon"]

@@ -8,6 +8,7 @@ runs inside the expert-parallel shard_map (model/moe_parallel.py).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -41,6 +42,8 @@ def sliding_window_attention(q, k, v, *, window, segment_ids=None, implementatio
   b = None if not best else (best[0] if len(best) == 1 else best)
   h = None if not heads else (heads[0] if len(heads) == 1 else heads)
   qkv = P(b, None, h, None)
+  # check_vma=False: a pallas_call's outputs carry no varying-axes type (every shard computes its own block)
+  local = functools.partial(jax.shard_map, mesh=mesh, out_specs=qkv, check_vma=False)
   if segment_ids is None:
-    return jax.shard_map(lambda q, k, v: f(q, k, v, None), mesh=mesh, in_specs=(qkv, qkv, qkv), out_specs=qkv)(q, k, v)
-  return jax.shard_map(f, mesh=mesh, in_specs=(qkv, qkv, qkv, P(b, None)), out_specs=qkv)(q, k, v, segment_ids)
+    return local(lambda q, k, v: f(q, k, v, None), in_specs=(qkv, qkv, qkv))(q, k, v)
+  return local(f, in_specs=(qkv, qkv, qkv, P(b, None)))(q, k, v, segment_ids)

@@ -2,7 +2,8 @@
 
 One generation:
   1. the rollout engine (its own numerics, bf16 by default) samples `samples_per_prompt` responses per prompt and
-     records logp_rollout = log pi_vllm(a_t | s_t);
+     records logp_rollout = log pi_vllm(a_t | s_t); the sampling actor is rl.max_staleness generations old, and
+     with rl.async its rollout runs in a background thread while the previous generation trains (rollouts.py);
   2. rule rewards; truncated responses get V(s_T) (truncation-aware bootstrapping) or 0 / the task reward;
   3. the training engine (fp32) recomputes logp_old with the pre-update actor, logp_ref with the frozen SFT
      params (unbiased KL) and V(s_t) with the critic (three independent programs, run side by side); GAE
