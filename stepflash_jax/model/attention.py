@@ -2,8 +2,8 @@
 
 q/k/v/g projections from the normed input, per-head zero-centred QK-norm *before* RoPE (one weight [D] shared by
 the heads), partial NeoX RoPE, GQA attention (sliding window or full causal) through
-`ops.sliding_window_attention` (per device under a mesh for the Pallas kernel), a head-wise sigmoid gate g = sigmoid(x W_g) scaling each head, then o_proj.
-No biases, no sinks.
+`ops.sliding_window_attention` (per device under a mesh for the Pallas kernel), a head-wise sigmoid gate
+g = sigmoid(x W_g) scaling each head, then o_proj. No biases, no sinks.
 
 Two call modes:
   * training / scoring: `cache=None`, attention over the given sequence (segment ids honoured);
@@ -18,11 +18,11 @@ import jax.numpy as jnp
 
 from pallas_kernels.masks import MASK_VALUE, visible
 from stepflash_jax import ops
-from stepflash_jax.ops.common import resolve_implementation
 from stepflash_jax.model.mlp import Weight
-from stepflash_jax.parallel import local_ops
 from stepflash_jax.model.norms import RMSNorm
 from stepflash_jax.model.rope import apply_rope
+from stepflash_jax.ops.common import resolve_implementation
+from stepflash_jax.parallel import local_ops
 
 
 def cached_attention(q, k, v, q_pos, k_pos, window):
