@@ -6,7 +6,8 @@
 configs/ppo.py and configs/gspo.py are this file with another objective (same budget, same seeds).
 Measured 2026-12-01 (Intel Xeon @ 2.00GHz, 2 cores): held-out exact match (1344 problems) 0.574 after SFT -> 0.687 /
 0.687 / 0.674 after RL (+11.3 / +11.2 / +10.0 for RL seeds 0 / 1 / 2 from that run's SFT checkpoint at this actor
-LR); time, gain and their spread across machines and seeds: README, "The main job: time and variability"."""
+LR); 2026-12-02, SFT seeds 1 / 2 (--config.seed): +12.0 / +10.3. Time, gain and their spread across machines and
+seeds: README, "The main job: time and variability"."""
 
 import ml_collections
 
