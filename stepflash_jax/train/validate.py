@@ -66,77 +66,82 @@ def validate_run_config(c, num_devices: int | None = None) -> None:
   if c.eval.get("dtype", "float32") not in ENGINE_DTYPES:
     _err("eval.dtype", f"must be one of {ENGINE_DTYPES}, got {c.eval.dtype!r}")
   if "rl" in c:
-    r = c.rl
-    if r.objective not in OBJECTIVES:
-      _err("rl.objective", f"must be one of {OBJECTIVES}, got {r.objective!r}")
-    _positive(
-      c,
-      "rl",
-      [
-        "steps",
-        "prompts_per_step",
-        "samples_per_prompt",
-        "max_new_tokens",
-        "actor_lr",
-        "critic_lr",
-        "actor_minibatches",
-        "critic_minibatches",
-      ],
-    )
-    n = r.prompts_per_step * r.samples_per_prompt
-    for k in MINIBATCHES:
-      if n % r[k]:
-        _err(f"rl.{k}", f"{r[k]} does not divide the generation's {n} responses")
-    slots = r.get("rollout_slots", 0)
-    if isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots <= n:
-      _err(
-        "rl.rollout_slots",
-        f"must be an integer in [0, {n}] (0 = static batching; at most the {n} responses), got {slots!r}",
-      )
-    micro = r.get("micro_batch", 0)
-    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 0:
-      _err("rl.micro_batch", f"must be an integer >= 0 (rows per model pass; 0 = the whole batch), got {micro!r}")
-    for rows, what in [(n, "generation")] + [(n // r[k], f"mini-batches of rl.{k}={r[k]}") for k in MINIBATCHES]:
-      if micro and rows > micro and rows % micro:  # a batch no larger than micro_batch is one pass
-        _err("rl.micro_batch", f"{micro} does not divide the {rows}-row {what}")
-    stale = r.get("max_staleness", 0)
-    if isinstance(stale, bool) or not isinstance(stale, int) or stale < 0:
-      _err("rl.max_staleness", f"must be an integer >= 0 (generations between sampling and training), got {stale!r}")
-    if not isinstance(r.get("async", False), bool):
-      _err("rl.async", f"must be True or False, got {r['async']!r}")
-    if r.get("async", False) and stale < 1:
-      _err("rl.async", "overlapped generation samples generation j + 1 while j trains: needs rl.max_staleness >= 1")
-    lo, hi = r.token_bounds
-    if not 0 < lo <= 1 <= hi:
-      _err("rl.token_bounds", f"need 0 < low <= 1 <= high, got {tuple(r.token_bounds)}")
-    lo, hi = r.traj_bounds
-    if not 0 < lo <= 1 <= hi:
-      _err("rl.traj_bounds", f"need 0 < low <= 1 <= high, got {tuple(r.traj_bounds)}")
-    if r.truncation not in ("bootstrap", "zero", "task"):
-      _err("rl.truncation", f"must be 'bootstrap', 'zero' or 'task', got {r.truncation!r}")
-    if r.rollout_dtype not in ENGINE_DTYPES:
-      _err("rl.rollout_dtype", f"must be one of {ENGINE_DTYPES}, got {r.rollout_dtype!r}")
-    if not 0 < r.top_p <= 1:
-      _err("rl.top_p", f"must be in (0, 1], got {r.top_p}")
-    if r.temperature <= 0:
-      _err("rl.temperature", f"must be > 0, got {r.temperature}")
-    if r.get("normalizer", "valid") not in ("valid", "kept"):
-      _err("rl.normalizer", f"must be 'valid' or 'kept' (used by every objective), got {r.normalizer!r}")
-    if r.get("rollout_quantize", "none") not in ("none", *QUANT_FORMATS):
-      _err("rl.rollout_quantize", f"must be 'none' or one of {tuple(QUANT_FORMATS)}, got {r.rollout_quantize!r}")
-    if r.get("router_replay", "off") not in REPLAY_MODES:
-      _err("rl.router_replay", f"must be one of {REPLAY_MODES}, got {r.router_replay!r}")
-    if not 0 <= r.get("replay_threshold", 0.0) <= 1:
-      _err("rl.replay_threshold", f"must lie in [0, 1] (a routing confidence), got {r.replay_threshold}")
-    kl_start = r.get("kl_start", 0)
-    if isinstance(kl_start, bool) or not isinstance(kl_start, int) or kl_start < 0:
-      _err("rl.kl_start", f"must be an integer generation index >= 0, got {kl_start!r}")
+    _check_rl(c)
   if num_devices is not None:
     sizes = mesh_shape(c.mesh, num_devices)
     if c.model.num_experts % sizes["expert"]:
       _err("mesh.expert", f"{sizes['expert']} does not divide model.num_experts={c.model.num_experts}")
   if "rules" in c.mesh:
     check_rules(tuple(tuple(r) for r in c.mesh.rules))
+
+
+def _check_rl(c):
+  """The `rl` section: objective, sizes and their divisibility, batching, filters, engines, schedules."""
+  r = c.rl
+  if r.objective not in OBJECTIVES:
+    _err("rl.objective", f"must be one of {OBJECTIVES}, got {r.objective!r}")
+  _positive(
+    c,
+    "rl",
+    [
+      "steps",
+      "prompts_per_step",
+      "samples_per_prompt",
+      "max_new_tokens",
+      "actor_lr",
+      "critic_lr",
+      "actor_minibatches",
+      "critic_minibatches",
+    ],
+  )
+  n = r.prompts_per_step * r.samples_per_prompt
+  for k in MINIBATCHES:
+    if n % r[k]:
+      _err(f"rl.{k}", f"{r[k]} does not divide the generation's {n} responses")
+  slots = r.get("rollout_slots", 0)
+  if isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots <= n:
+    _err(
+      "rl.rollout_slots",
+      f"must be an integer in [0, {n}] (0 = static batching; at most the {n} responses), got {slots!r}",
+    )
+  micro = r.get("micro_batch", 0)
+  if isinstance(micro, bool) or not isinstance(micro, int) or micro < 0:
+    _err("rl.micro_batch", f"must be an integer >= 0 (rows per model pass; 0 = the whole batch), got {micro!r}")
+  for rows, what in [(n, "generation")] + [(n // r[k], f"mini-batches of rl.{k}={r[k]}") for k in MINIBATCHES]:
+    if micro and rows > micro and rows % micro:  # a batch no larger than micro_batch is one pass
+      _err("rl.micro_batch", f"{micro} does not divide the {rows}-row {what}")
+  stale = r.get("max_staleness", 0)
+  if isinstance(stale, bool) or not isinstance(stale, int) or stale < 0:
+    _err("rl.max_staleness", f"must be an integer >= 0 (generations between sampling and training), got {stale!r}")
+  if not isinstance(r.get("async", False), bool):
+    _err("rl.async", f"must be True or False, got {r['async']!r}")
+  if r.get("async", False) and stale < 1:
+    _err("rl.async", "overlapped generation samples generation j + 1 while j trains: needs rl.max_staleness >= 1")
+  lo, hi = r.token_bounds
+  if not 0 < lo <= 1 <= hi:
+    _err("rl.token_bounds", f"need 0 < low <= 1 <= high, got {tuple(r.token_bounds)}")
+  lo, hi = r.traj_bounds
+  if not 0 < lo <= 1 <= hi:
+    _err("rl.traj_bounds", f"need 0 < low <= 1 <= high, got {tuple(r.traj_bounds)}")
+  if r.truncation not in ("bootstrap", "zero", "task"):
+    _err("rl.truncation", f"must be 'bootstrap', 'zero' or 'task', got {r.truncation!r}")
+  if r.rollout_dtype not in ENGINE_DTYPES:
+    _err("rl.rollout_dtype", f"must be one of {ENGINE_DTYPES}, got {r.rollout_dtype!r}")
+  if not 0 < r.top_p <= 1:
+    _err("rl.top_p", f"must be in (0, 1], got {r.top_p}")
+  if r.temperature <= 0:
+    _err("rl.temperature", f"must be > 0, got {r.temperature}")
+  if r.get("normalizer", "valid") not in ("valid", "kept"):
+    _err("rl.normalizer", f"must be 'valid' or 'kept' (used by every objective), got {r.normalizer!r}")
+  if r.get("rollout_quantize", "none") not in ("none", *QUANT_FORMATS):
+    _err("rl.rollout_quantize", f"must be 'none' or one of {tuple(QUANT_FORMATS)}, got {r.rollout_quantize!r}")
+  if r.get("router_replay", "off") not in REPLAY_MODES:
+    _err("rl.router_replay", f"must be one of {REPLAY_MODES}, got {r.router_replay!r}")
+  if not 0 <= r.get("replay_threshold", 0.0) <= 1:
+    _err("rl.replay_threshold", f"must lie in [0, 1] (a routing confidence), got {r.replay_threshold}")
+  kl_start = r.get("kl_start", 0)
+  if isinstance(kl_start, bool) or not isinstance(kl_start, int) or kl_start < 0:
+    _err("rl.kl_start", f"must be an integer generation index >= 0, got {kl_start!r}")
 
 
 def _check_pretrain_stage(c, num_devices):
