@@ -56,16 +56,37 @@ def _sampler(rng, sampling):
   return jax.vmap(one)
 
 
+def _initial_state(st: Shapes, v, prompts, pos_all, seg_all, B: int, pad_id):
+  """The decode loop's carry: B empty slots with fresh caches, pad-filled responses of the Q requests, zero
+  routing-confidence sums (one per MoE layer: the keys the model call reports)."""
+  a, P, N, Q = st.args, st.max_prompt_len, st.max_new_tokens, prompts.shape[0]
+  cache = init_cache(a, B, P + N)
+  conf_keys = jax.eval_shape(lambda: model_call(a, v, prompts[:B], pos_all[:B], seg_all[:B], cache, 0))[3]
+  zeros = {k: jnp.float32(0) for k in conf_keys}
+  return dict(
+    cache=cache,
+    slot_req=jnp.full((B,), -1, jnp.int32),
+    slot_i=jnp.zeros((B,), jnp.int32),
+    next=jnp.int32(0),
+    resp=jnp.full((Q, N), pad_id, jnp.int32),
+    logp=jnp.zeros((Q, N), jnp.float32),
+    mask=jnp.zeros((Q, N), jnp.float32),
+    conf=zeros,
+    ntok=jnp.float32(0),
+    conf_p=zeros,
+    ntok_p=jnp.float32(0),
+    ids=empty_expert_ids(a, Q, P + N),
+  )
+
+
 def generate_continuous(st: Shapes, variables, prompts, lens, limits, sampling: Sampling, rng, slots: int):
   """prompts [Q, P] left-padded, lens [Q], limits [Q] (response tokens allowed, 1..N) -> the plain engine's dict."""
-  a, P, N = st.args, st.max_prompt_len, st.max_new_tokens
+  a, P = st.args, st.max_prompt_len
   Q, B, eos, pad_id = prompts.shape[0], slots, sampling.eos_id, sampling.pad_id
   refill_at = max(1, B // REFILL_FRACTION)  # free slots that trigger a refill (or every slot free)
   v = cast_variables(variables, a.dtype, st.quantize)
   sample = _sampler(rng, sampling)
   _, pos_all, seg_all = prefill_inputs(st, lens)
-  ids0 = empty_expert_ids(a, Q, P + N)
-  cache = init_cache(a, B, P + N)
 
   def write(buf, q, col, x):
     """buf [Q, C, ...] at rows q [n] (Q = dropped), columns col [n]."""
@@ -129,23 +150,7 @@ def generate_continuous(st: Shapes, variables, prompts, lens, limits, sampling: 
     s = lax.cond(due, refill, lambda s: s, s)
     return lax.cond(jnp.any(s["slot_req"] >= 0), decode, lambda s: s, s)
 
-  # one routing-confidence sum per MoE layer (the keys the model call reports)
-  conf_keys = jax.eval_shape(lambda: model_call(a, v, prompts[:B], pos_all[:B], seg_all[:B], cache, 0))[3]
-  zeros = {k: jnp.float32(0) for k in conf_keys}
-  s = dict(
-    cache=cache,
-    slot_req=jnp.full((B,), -1, jnp.int32),
-    slot_i=jnp.zeros((B,), jnp.int32),
-    next=jnp.int32(0),
-    resp=jnp.full((Q, N), pad_id, jnp.int32),
-    logp=jnp.zeros((Q, N), jnp.float32),
-    mask=jnp.zeros((Q, N), jnp.float32),
-    conf=zeros,
-    ntok=jnp.float32(0),
-    conf_p=zeros,
-    ntok_p=jnp.float32(0),
-    ids=ids0,
-  )
+  s = _initial_state(st, v, prompts, pos_all, seg_all, B, pad_id)
   s = lax.while_loop(lambda s: (s["next"] < Q) | jnp.any(s["slot_req"] >= 0), body, s)
   conf_p = {k: c / jnp.maximum(s["ntok_p"], 1.0) for k, c in s["conf_p"].items()}
   return result(st, eos, prompts, s["resp"], s["logp"], s["mask"], s["conf"], s["ntok"], conf_p, s["ids"])
