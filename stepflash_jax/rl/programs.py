@@ -7,6 +7,8 @@ training engine's numerics (float32), so pi / pi_old and pi_old / pi_vllm compar
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -230,6 +232,15 @@ def kl_coef_at(rcfg, step: int) -> float:
   return float(rcfg.kl_coef) if step >= rcfg.get("kl_start", 0) else 0.0
 
 
+def generation_advantages(rcfg, values, mask, task_reward, truncated):
+  """values [n, R + 1], mask [n, R], task_reward / truncated [n] -> (advantages, returns) [n, R]: terminal rewards
+  (rl.truncation: V(s_T) for truncated responses under "bootstrap"), then GAE with rl.gamma / rl.lam."""
+  final = adv_lib.value_after_last(values, mask)
+  term = adv_lib.terminal_rewards(task_reward, truncated, final, mode=rcfg.truncation)
+  r = adv_lib.place_terminal_reward(term, mask)
+  return adv_lib.gae_advantages(r, values, mask, rcfg.gamma, rcfg.lam)
+
+
 class Programs:
   """The jitted pieces of a generation, compiled once per (model, config); `score` and `actor_step` take a static
   `replay` flag (router replay on / off: two programs). Every pass over the model runs in micro-batches of
@@ -292,12 +303,8 @@ class Programs:
       conf = weighted_mean(conf, fed)
       m["confidence_train"] = jnp.stack(list(conf.values())).mean() if conf else jnp.float32(jnp.nan)
       params, opt, gnorm, skipped = guarded_update(state, g, loss, actor_tx, freeze_mask)
-      return {**state, "params": params, "opt": opt}, {
-        **m,
-        "actor_loss": loss,
-        "actor_grad_norm": gnorm,
-        "skipped": skipped,
-      }
+      m = {**m, "actor_loss": loss, "actor_grad_norm": gnorm, "skipped": skipped}
+      return {**state, "params": params, "opt": opt}, m
 
     self._jit["actor_step"] = jax.jit(actor_step, static_argnames="replay")
 
@@ -313,22 +320,13 @@ class Programs:
       params, opt, gnorm, skipped = guarded_update(
         state, g, loss, critic_tx, frozen_mask(state["params"], rcfg.get("freeze_router", True))
       )
-      return {**state, "params": params, "opt": opt}, {
-        "critic_loss": loss,
-        "critic_grad_norm": gnorm,
-        "skipped": skipped,
-      }
+      m = {"critic_loss": loss, "critic_grad_norm": gnorm, "skipped": skipped}
+      return {**state, "params": params, "opt": opt}, m
 
     self._jit["critic_step"] = jax.jit(critic_step)
     self._exe = {}  # (name, replay) -> compiled executable (`compile`)
 
-    def advantages(values, mask, task_reward, truncated):
-      final = adv_lib.value_after_last(values, mask)
-      term = adv_lib.terminal_rewards(task_reward, truncated, final, mode=rcfg.truncation)
-      r = adv_lib.place_terminal_reward(term, mask)
-      return adv_lib.gae_advantages(r, values, mask, rcfg.gamma, rcfg.lam)
-
-    self.advantages = jax.jit(advantages)
+    self.advantages = jax.jit(functools.partial(generation_advantages, rcfg))
     self.mismatch = jax.jit(lambda mb: mismatch_stats(rcfg, mb))
 
   def _call(self, name, replay, *xs):
