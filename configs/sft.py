@@ -73,7 +73,7 @@ def get_config(arg: str = ""):
   c.eval.seed = 1234
   c.eval.dtype = "float32"  # numerics of the greedy eval engine ("bfloat16" = the rollout engine's)
 
-  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, expert=1, tensor=1))
+  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, expert=1, context=1, tensor=1))
   if "pretrained" in opts:
     from configs import pretrain  # configs/pretrain.py builds on this file
 

@@ -2,6 +2,7 @@
 
   python experiments/plan_pod.py --config=configs/model/step35_flash.py --mesh=data:1,fsdp:16,expert:16,tensor:1
   python experiments/plan_pod.py --config=configs/model/step35_flash.py --sweep        # the hardware table
+  python experiments/plan_pod.py --config=configs/model/step35_flash.py --context_table --seq_len=131072
 
 What is exact and what is estimated:
   * params / optimizer state / gradients: exact bytes per device. Shapes from jax.eval_shape of the model and of
@@ -14,7 +15,7 @@ What is exact and what is estimated:
     scores). remat "none": every layer keeps everything; "block" (model remat=True, what the code does): the
     scanned blocks keep only their input and one block is recomputed at a time, unrolled layers and MTP keep
     everything; "full": as "block" but every layer rematerialised (not implemented in the model: what it would
-    give). Logits: never [tokens, V] at once (ops/logprobs.py, vocabulary-chunked): 12 fp32 bytes per token and
+    give). With mesh context n every device holds T / n positions of its rows. Logits: never [tokens, V] at once (ops/logprobs.py, vocabulary-chunked): 12 fp32 bytes per token and
     head (log-prob, log-sum-exp, entropy) plus one [tokens, chunk] block of logits, softmax and gradient.
   * RL: static = actor (params + optimizer) + critic (params + optimizer) + frozen reference params (+ the
     actors of the queued rollouts with rl.async: --rl_max_staleness copies); on top the largest phase: rollout
@@ -22,6 +23,8 @@ What is exact and what is estimated:
     micro-batches), actor update (gradients + accumulator + activations of one micro-batch, no MTP) or critic
     update (the same, no logits). For each mesh the sweep also says how many rows per device and pass
     (rl.micro_batch / batch shards) let the whole recipe fit: the answer to "can this slice run it".
+  * context parallelism (--context_table): the bytes each device sends per step for attention, per layer type
+    (parallel/context.py `exchange_bytes`, checked against compiled programs by tests/test_context_parallel.py).
 Not modelled: XLA temporaries/fragmentation (keep ~10-15% headroom), the compiled program, host offload.
 """
 
@@ -41,13 +44,14 @@ from ml_collections import config_flags
 
 from stepflash_jax import model as model_lib
 from stepflash_jax import parallel
+from stepflash_jax.parallel import context as context_lib
 from stepflash_jax.train import state as state_lib
 from stepflash_jax.ops.logprobs import DEFAULT_CHUNK
 from stepflash_jax.optim import muon
 
 GiB = 2**30
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/model/step35_flash.py", "model config file")
-_MESH = flags.DEFINE_string("mesh", "data:1,fsdp:16,expert:16,tensor:1", "axis sizes data/fsdp/expert/tensor")
+_MESH = flags.DEFINE_string("mesh", "data:1,fsdp:16,expert:16,tensor:1", "axis sizes data/fsdp/expert/context/tensor")
 _BATCH = flags.DEFINE_integer("batch", 32, "SFT global batch (sequences)")
 _SEQ = flags.DEFINE_integer("seq_len", 8192, "SFT sequence length")
 _REMAT = flags.DEFINE_enum("remat", "block", ["none", "block", "full"], "activation rematerialisation")
@@ -68,6 +72,9 @@ _MICRO = flags.DEFINE_integer(
 )
 _STALE = flags.DEFINE_integer("rl_max_staleness", 0, "RL: rl.max_staleness (actors kept for queued rollouts)")
 _SWEEP = flags.DEFINE_bool("sweep", False, "print the hardware x mesh table instead of one plan")
+_CONTEXT_TABLE = flags.DEFINE_bool(
+  "context_table", False, "print the attention exchange per step for context 2..16 at --seq_len (tensor from --mesh)"
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -75,7 +82,7 @@ _SWEEP = flags.DEFINE_bool("sweep", False, "print the hardware x mesh table inst
 
 
 def parse_mesh(text: str) -> dict:
-  sizes = dict(data=1, fsdp=1, expert=1, tensor=1)
+  sizes = dict(data=1, fsdp=1, expert=1, context=1, tensor=1)
   for part in text.split(","):
     k, _, v = part.partition(":")
     if k.strip() not in sizes:
@@ -267,8 +274,9 @@ def _sft_plan(args, sizes, lm, batch, seq_len, remat, cf, budget) -> dict:
     "muon_transient": lm["muon_transient"],
   }
   static = sum(sft.values())
-  sft.update({f"act_{k}": v * rows * seq_len for k, v in sft_tok.items()})
-  sft["logit_chunk"] = chunk_bytes(args, rows * seq_len, sizes)
+  tokens = rows * seq_len / sizes["context"]
+  sft.update({f"act_{k}": v * tokens for k, v in sft_tok.items()})
+  sft["logit_chunk"] = chunk_bytes(args, tokens, sizes)
   per_token = sum(sft_tok.values()) + chunk_bytes(args, 1, sizes)
   return {
     "bytes": sft,
@@ -432,6 +440,25 @@ def sweep(cfg, kw):
       )
 
 
+def context_table(cfg, seq_len: int, tensor: int):
+  """Bytes per device and step (forward + backward, one sequence per device) that attention sends over the
+  context axis: the SWA layers' halo against the full layers' ring, for the released layer mix."""
+  args = model_lib.as_args(cfg)
+  layers = list(args.layers) + list(args.mtp_layers)
+  n_swa = sum(s.window is not None and s.window < seq_len for s in layers)
+  print(
+    f"Attention exchange per device and step at T = {seq_len} (one sequence per device, tensor {tensor}, "
+    f"{np.dtype(args.dtype).name} activations): {n_swa} SWA layers, {len(layers) - n_swa} full layers "
+    "(MTP included)\n"
+  )
+  print("| context | positions / device | per SWA layer (halo) | per full layer (ring or all-gather) | step total |")
+  print("|---|---|---|---|---|")
+  mib = lambda b: f"{b / 2**20:,.1f} MiB"
+  for n in (2, 4, 8, 16):
+    e = context_lib.exchange_bytes(args, seq_len, n, rows=1, tensor=tensor)
+    print(f"| {n} | {seq_len // n:,} | {mib(e['swa_layer'])} | {mib(e['full_layer'])} | {mib(e['step'])} |")
+
+
 def main(_):
   cfg = _CONFIG.value
   kw = dict(
@@ -453,6 +480,9 @@ def main(_):
     sweep(cfg, kw)
     return
   sizes = parse_mesh(_MESH.value)
+  if _CONTEXT_TABLE.value:
+    context_table(cfg, _SEQ.value, sizes["tensor"])
+    return
   print_plan(plan(cfg, sizes, **kw, hbm_gib=_HBM.value), sizes, _HBM.value, kw)
 
 

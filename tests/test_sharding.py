@@ -156,7 +156,7 @@ def test_resolve_precedence_and_divisibility():
   from stepflash_jax import parallel
 
   R = parallel.DEFAULT_RULES
-  assert parallel.resolve(("batch", "length", "embed"), R) == P(("data", "fsdp", "expert"), None, None)
+  assert parallel.resolve(("batch", "length", "embed"), R) == P(("data", "fsdp", "expert"), "context", None)
   assert parallel.resolve(("expert", "embed", "mlp"), R) == P("expert", "fsdp", "tensor")
   assert parallel.resolve(("embed", "heads", "head_dim"), R) == P(("fsdp", "expert"), "tensor", None)
   sizes = dict(data=1, fsdp=2, expert=4, tensor=4)

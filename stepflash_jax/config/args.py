@@ -54,6 +54,7 @@ class ModelArgs:
   mtp_layers: tuple  # LayerSpec per MTP block
   scan: tuple  # (start, period, n_blocks) or () when not scanning
   expert_parallel: str = "none"  # MoE token exchange under parallel.use_mesh (model/moe_parallel.py)
+  context_full: str = "ring"  # full-attention layers under context parallelism (parallel/context.py)
 
 
 def rope_inv_freq(head_dim: int, partial: float, theta: float, scaling: dict | None) -> np.ndarray:
@@ -140,4 +141,5 @@ def model_args(c) -> ModelArgs:
     mtp_layers=mtp,
     scan=scan_plan(layers) if c.scan_layers else (),
     expert_parallel=str(c.get("expert_parallel", "none")),
+    context_full=str(c.get("context_full", "ring")),
   )

@@ -70,6 +70,8 @@ def validate(c) -> None:
   _check(c.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
   _check(c.attention_impl in IMPLEMENTATIONS, "attention_impl", f"one of {IMPLEMENTATIONS}, got {c.attention_impl!r}")
   _check(c.moe_impl in IMPLEMENTATIONS, "moe_impl", f"one of {IMPLEMENTATIONS}, got {c.moe_impl!r}")
+  full = c.get("context_full", "ring")
+  _check(full in ("ring", "all_gather"), "context_full", f"one of ('ring', 'all_gather'), got {full!r}")
   for f in ("dtype", "param_dtype"):
     _check(c[f] in ("float32", "bfloat16", "float16"), f, f"unsupported dtype {c[f]!r}")
   if "expert_parallel" in c:

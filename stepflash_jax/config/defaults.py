@@ -56,6 +56,9 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
       dtype="float32",  # activations / matmul inputs; norms, router, softmax, logits always fp32
       param_dtype="float32",
       attention_impl="xla",  # "reference" | "xla" | "pallas" (ops.sliding_window_attention)
+      # Full-attention layers when the sequence is split over mesh.context (parallel/context.py): "ring" (K/V
+      # blocks around the ring, online softmax) | "all_gather" (all K/V at once). SWA layers always exchange a halo.
+      context_full="ring",
       moe_impl="xla",  # "reference" | "xla" | "pallas" (ops.grouped_matmul)
       scan_layers=True,  # compile the repeating 4-layer block once (nn.scan)
       remat=False,  # rematerialise each scanned block in the backward pass

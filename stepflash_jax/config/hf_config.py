@@ -74,7 +74,7 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
   return c
 
 
-_IMPL_KEYS = ("dtype", "attention_impl", "moe_impl", "scan_layers", "remat", "expert_parallel")
+_IMPL_KEYS = ("dtype", "attention_impl", "moe_impl", "scan_layers", "remat", "expert_parallel", "context_full")
 
 
 def to_hf_config(c) -> dict:

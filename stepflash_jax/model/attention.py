@@ -2,8 +2,8 @@
 
 q/k/v/g projections from the normed input, per-head zero-centred QK-norm *before* RoPE (one weight [D] shared by
 the heads), partial NeoX RoPE, GQA attention (sliding window or full causal) through
-`ops.sliding_window_attention` (per device under a mesh for the Pallas kernel), a head-wise sigmoid gate
-g = sigmoid(x W_g) scaling each head, then o_proj. No biases, no sinks.
+`ops.sliding_window_attention` (per device under a mesh for the Pallas kernel and for context parallelism), a
+head-wise sigmoid gate g = sigmoid(x W_g) scaling each head, then o_proj. No biases, no sinks.
 
 Two call modes:
   * training / scoring: `cache=None`, attention over the given sequence (segment ids honoured);
@@ -17,11 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.masks import MASK_VALUE, visible
-from stepflash_jax import ops
 from stepflash_jax.model.mlp import Weight
 from stepflash_jax.model.norms import RMSNorm
 from stepflash_jax.model.rope import apply_rope
-from stepflash_jax.ops.common import resolve_implementation
 from stepflash_jax.parallel import local_ops
 
 
@@ -72,6 +70,7 @@ class Attention(nn.Module):
   eps: float = 1e-5
   init_std: float = 0.02
   implementation: str = "xla"
+  context_full: str = "ring"  # full-attention layers under context parallelism: "ring" | "all_gather"
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
@@ -96,11 +95,17 @@ class Attention(nn.Module):
 
     new_cache = None
     if cache is None:
-      # A kernel (Pallas) cannot be partitioned by GSPMD: under a mesh it runs per device on the batch and head
-      # shards (parallel/local_ops.py); XLA's banded attention is partitioned like any other op.
-      kernel = resolve_implementation(self.implementation) == "pallas"
-      attn = local_ops.sliding_window_attention if kernel else ops.sliding_window_attention
-      o = attn(q, k, v, window=self.window, segment_ids=segment_ids, implementation=self.implementation)
+      # Per device under a mesh when a kernel (Pallas, which GSPMD cannot partition) runs or the sequence is split
+      # over the context axis (parallel/local_ops.py); otherwise ops.sliding_window_attention.
+      o = local_ops.sliding_window_attention(
+        q,
+        k,
+        v,
+        window=self.window,
+        segment_ids=segment_ids,
+        implementation=self.implementation,
+        context_full=self.context_full,
+      )
     else:
       valid = jnp.ones(positions.shape, bool) if segment_ids is None else segment_ids > 0
       pos = jnp.where(valid, positions, -1).astype(jnp.int32)

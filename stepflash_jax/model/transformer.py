@@ -43,6 +43,7 @@ class DecoderLayer(nn.Module):
       a.eps,
       a.init_std,
       a.attention_impl,
+      a.context_full,
       name="attn",
       **dt,
     )(h, positions, segment_ids, cache, cache_index)

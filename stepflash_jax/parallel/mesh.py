@@ -1,11 +1,13 @@
 """Device mesh, logical-axis rules and the shardings of variables, optimizer state and batches.
 
-Mesh: four named axes in this order (innermost = fastest interconnect last)
+Mesh: five named axes in this order (innermost = fastest interconnect last)
 
-    data    pure data parallelism: parameters replicated, batch split
-    fsdp    ZeRO-3: batch split *and* every parameter split along its "embed" dimension
-    expert  expert parallelism: the experts split; for everything else it acts like fsdp (batch and "embed" split)
-    tensor  Megatron tensor parallelism: heads / mlp / vocab split
+    data     pure data parallelism: parameters replicated, batch split
+    fsdp     ZeRO-3: batch split *and* every parameter split along its "embed" dimension
+    expert   expert parallelism: the experts split; for everything else it acts like fsdp (batch and "embed" split)
+    context  context (sequence) parallelism: the "length" dimension of activations split, parameters replicated;
+             attention exchanges a halo (sliding-window layers) or K/V blocks (full layers): parallel/context.py
+    tensor   Megatron tensor parallelism: heads / mlp / vocab split
 
 Rules (MaxText style): a tuple of (logical axis name, mesh axes) pairs in order of precedence. A dimension named
 `logical` gets the mesh axes of the first rule for that name whose mesh axes are not already used by another
@@ -30,13 +32,13 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 BATCH_AXES = ("data", "fsdp", "expert")
 
 DEFAULT_RULES = (
   # activations (listed first: a batch dimension takes data/fsdp/expert before "embed" can)
   ("batch", ("data", "fsdp", "expert")),
-  ("length", None),
+  ("length", "context"),
   # parameters and activations
   ("expert", "expert"),
   ("heads", "tensor"),
@@ -157,8 +159,9 @@ def config_error(field, msg):
 
 
 def mesh_shape(mesh_cfg, num_devices: int) -> dict:
-  """{axis: size} of config.mesh with one -1 filled in; ValueError naming the field if it does not fit."""
-  axes = {k: int(mesh_cfg[k]) for k in ("data", "fsdp", "expert", "tensor")}
+  """{axis: size} of config.mesh with one -1 filled in; ValueError naming the field if it does not fit.
+  `context` may be left out (size 1)."""
+  axes = {k: int(mesh_cfg[k]) if k in mesh_cfg or k != "context" else 1 for k in MESH_AXES}
   free = [k for k, v in axes.items() if v == -1]
   if len(free) > 1:
     config_error(f"mesh.{free[1]}", "at most one mesh axis may be -1")
@@ -178,7 +181,7 @@ def mesh_shape(mesh_cfg, num_devices: int) -> dict:
 def make_mesh(mesh_cfg, devices: Sequence | None = None) -> jax.sharding.Mesh:
   """A jax Mesh with axes MESH_AXES (Auto/GSPMD axis types) over `devices` (default: all devices, all hosts).
 
-  mesh_cfg: config.mesh (or a dict) with integer sizes data/fsdp/expert/tensor, one may be -1.
+  mesh_cfg: config.mesh (or a dict) with integer sizes data/fsdp/expert/(context)/tensor, one may be -1.
   On TPU jax.make_mesh orders the devices along the physical topology (tensor innermost)."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = mesh_shape(mesh_cfg, len(devices))
