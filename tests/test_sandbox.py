@@ -1,0 +1,178 @@
+"""The sandbox (stepflash_jax/agents/sandbox.py) under hostile code, and the executors (agents/executor.py).
+
+Each hostile case is the kind of program an RL policy can write; the checks are on what the host sees afterwards."""
+
+import glob
+import os
+import socket
+import tempfile
+import threading
+import time
+
+import pytest
+
+from stepflash_jax.agents import executor, sandbox
+
+CAPS = sandbox.capabilities()
+needs_landlock = pytest.mark.skipif(not CAPS["landlock"], reason="the kernel has no Landlock: writes are not confined")
+needs_isolation = pytest.mark.skipif(
+  not CAPS["namespaces"] and CAPS["landlock"] < 4, reason="neither a network namespace nor Landlock TCP rules"
+)
+
+
+def _leftovers():
+  return set(glob.glob(os.path.join(tempfile.gettempdir(), sandbox.PREFIX + "*")))
+
+
+def _sandbox_processes():
+  """Processes still running a sandbox's program (their command line names a sandbox directory)."""
+  n = 0
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        n += sandbox.PREFIX.encode() in f.read()
+    except OSError:
+      pass
+  return n
+
+
+def test_runs_code_with_stdin_and_exit_code():
+  r = sandbox.run_python("import sys\nprint(sys.stdin.read().upper())\nsys.exit(3)", stdin="hello")
+  assert (r.stdout, r.exit_code, r.timed_out, r.error) == ("HELLO\n", 3, False, None)
+  r = sandbox.run_python("open('a.txt', 'w').write('ok'); print(open('a.txt').read())")  # its own directory
+  assert r.stdout == "ok\n" and r.exit_code == 0
+  with pytest.raises(ValueError, match="timeout_s"):
+    sandbox.run_python("print(1)", timeout_s=0)
+
+
+def test_infinite_loop_is_stopped_within_twice_its_limit():
+  for code in ("while True: pass", "import time\ntime.sleep(60)"):
+    t = time.monotonic()
+    r = sandbox.run_python(code, timeout_s=1.0)
+    assert time.monotonic() - t < 2.0, code
+    assert r.exit_code is None and r.error is not None, r
+  assert _sandbox_processes() == 0
+
+
+def test_memory_bomb_is_stopped():
+  r = sandbox.run_python("x = []\nwhile True:\n  x.append(bytearray(10**7))", memory_mb=128, timeout_s=5.0)
+  assert r.exit_code != 0 and "memory" in (r.error or ""), r
+  r = sandbox.run_python("x = bytearray(1 << 30)", memory_mb=128)
+  assert "MemoryError" in r.stderr
+
+
+def test_fork_bomb_is_stopped_and_leaves_no_process():
+  code = "import os\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n    pass"
+  t = time.monotonic()
+  r = sandbox.run_python(code, timeout_s=1.0, max_processes=16)
+  assert time.monotonic() - t < 3.0 and r.error is not None, r
+  assert _sandbox_processes() == 0
+  assert sandbox.run_python("print('host fine')").stdout == "host fine\n"  # the host can still start processes
+
+
+@needs_landlock
+def test_writing_outside_its_directory_fails(tmp_path):
+  target = tmp_path / "escaped.txt"
+  home = os.path.expanduser("~/sfj_sandbox_escape.txt")
+  for path in (str(target), home, "../outside.txt"):
+    r = sandbox.run_python(f"open({path!r}, 'w').write('x')")
+    assert r.exit_code == 1 and "PermissionError" in r.stderr, (path, r)
+  assert not target.exists() and not os.path.exists(home)
+
+
+@needs_isolation
+def test_network_connections_fail():
+  server = socket.socket()
+  server.bind(("127.0.0.1", 0))
+  server.listen()
+  server.settimeout(3.0)
+  accepted = []
+  threading.Thread(target=lambda: accepted.append(_accept(server)), daemon=True).start()
+  port = server.getsockname()[1]
+  for host in ("127.0.0.1", "1.1.1.1"):
+    code = f"import socket\nsocket.create_connection(({host!r}, {port}), timeout=2)\nprint('connected')"
+    r = sandbox.run_python(code, timeout_s=3.0)
+    assert "connected" not in r.stdout and r.exit_code == 1, r
+  time.sleep(0.2)
+  assert accepted in ([], [None])  # nothing reached the host's server
+  server.close()
+
+
+def _accept(server):
+  try:
+    return server.accept()
+  except OSError:
+    return None
+
+
+def test_huge_output_is_cut():
+  r = sandbox.run_python("import sys\nwhile True:\n  sys.stdout.write('x' * 4096)", max_output_bytes=10_000)
+  assert len(r.stdout) == 10_000 and set(r.stdout) == {"x"} and "output limit" in r.error, r.error
+  r = sandbox.run_python("print('y' * 50_000)", max_output_bytes=1000)
+  assert len(r.stdout) == 1000
+
+
+def test_nothing_is_left_behind():
+  before = _leftovers()
+  codes = ["import os\nos.makedirs('a/b')\nopen('a/b/f', 'w').write('x')\nos.chmod('a/b', 0o500)\nos.chmod('a', 0o500)"]
+  codes += ["import os, time\nif os.fork() == 0:\n  time.sleep(30)\nprint('parent done')"]  # an orphaned child
+  for code in codes:
+    r = sandbox.run_python(code, timeout_s=2.0)
+    assert r.error is None, r
+  assert _leftovers() == before and _sandbox_processes() == 0
+
+
+HOSTILE = [
+  "while True: pass",
+  "x = bytearray(1 << 31)",
+  "import os\nwhile True:\n  try: os.fork()\n  except OSError: pass",
+  "import sys\nwhile True: sys.stdout.write('z' * 4096)",
+  "open('/etc/hostname_copy', 'w')",
+  "raise RuntimeError('boom')",
+]
+
+
+def _jobs(n):
+  """n jobs: every third one hostile, the others print a number derived from their index."""
+  out = []
+  for i in range(n):
+    if i % 3 == 2:
+      out.append(
+        {"code": HOSTILE[(i // 3) % len(HOSTILE)], "timeout_s": 0.5, "memory_mb": 128, "max_output_bytes": 4096}
+      )
+    else:  # a generous limit: a loaded 2-core machine may take seconds to start a process
+      out.append({"code": f"print({i} * {i} + 7)", "timeout_s": 20.0})
+  return out
+
+
+def _check(results, jobs):
+  assert len(results) == len(jobs)
+  for i, (r, job) in enumerate(zip(results, jobs)):
+    assert isinstance(r, sandbox.Result), (i, r)
+    if i % 3 != 2:
+      assert r.stdout == f"{i * i + 7}\n" and r.exit_code == 0, (i, r)
+    else:
+      assert r.exit_code != 0 and not r.stdout.startswith(f"{i * i + 7}"), (i, r)
+
+
+def test_executor_keeps_200_mixed_runs_with_their_calls():
+  jobs = _jobs(200)
+  with executor.make("local", max_workers=8) as ex:
+    results = ex.map(sandbox.run_job, jobs)
+    failures = ex.map(sandbox.run_job, [{"code": "print(1)", "timeout_s": -1}, {"code": "print(2)"}])
+  _check(results, jobs)
+  assert isinstance(failures[0], executor.Failure) and "timeout_s" in failures[0].error
+  assert failures[1].stdout == "2\n"
+  assert _leftovers() == set() or all(time.time() - os.path.getmtime(p) > 60 for p in _leftovers())
+
+
+def test_ray_executor_on_a_local_instance():
+  ray = pytest.importorskip("ray")
+  jobs = _jobs(12)
+  with executor.make("ray", num_cpus=2) as ex:
+    assert ray.is_initialized()
+    results = ex.map(sandbox.run_job, jobs)
+  assert not ray.is_initialized()  # the executor started the instance, so it stopped it
+  _check(results, jobs)
+  with pytest.raises(ValueError, match="'local' or 'ray'"):
+    executor.make("slurm")
