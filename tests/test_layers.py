@@ -1,8 +1,8 @@
 """The package's layering: every import points down, no import cycle, no function-local import of our own modules.
 
 Layers, bottom to top (a module may import its own package and the layers below it):
-  kernels (pallas_kernels) < ops < parallel, caches, host < config, data, optim < model < hf, sampling
-  < train, agents < rl
+  kernels (pallas_kernels) < ops < parallel, caches, host < config, data, optim < model < hf, sampling < agents
+  < train < rl
   < the package root (stepflash_jax/__init__.py re-exports the public API).
 """
 
@@ -17,7 +17,8 @@ LAYERS = [
   {"stepflash_jax.config", "stepflash_jax.data", "stepflash_jax.optim"},
   {"stepflash_jax.model"},
   {"stepflash_jax.hf", "stepflash_jax.sampling"},
-  {"stepflash_jax.train", "stepflash_jax.agents"},
+  {"stepflash_jax.agents"},
+  {"stepflash_jax.train"},
   {"stepflash_jax.rl"},
   {"stepflash_jax"},
 ]

@@ -14,9 +14,8 @@ after it - the current instruction's tool trajectory - is kept.
 from __future__ import annotations
 
 from stepflash_jax.agents.tools import ToolCall, format_tool_calls
-from stepflash_jax.data.tokenizer import ASSISTANT, THINK_CLOSE, THINK_OPEN, USER
+from stepflash_jax.data.tokenizer import ASSISTANT, SYSTEM, THINK_CLOSE, THINK_OPEN, TOOL, USER
 
-SYSTEM, TOOL = "<|system|>", "<|tool|>"
 ROLES = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
 
 

@@ -31,6 +31,7 @@ from stepflash_jax.caches import cache_dir
 from stepflash_jax.data import tasks
 
 USER, ASSISTANT = "<|user|>", "<|assistant|>"
+SYSTEM, TOOL = "<|system|>", "<|tool|>"  # multi-turn conversations (agents/chat.py)
 THINK_OPEN, THINK_CLOSE = tasks.base.THINK_OPEN, tasks.base.THINK_CLOSE
 CHAT_SYMBOLS = (USER, ASSISTANT, THINK_OPEN, THINK_CLOSE)
 MATH_SYMBOLS = ("+", "-", "*", "=", ",", "(", ")")
@@ -62,7 +63,14 @@ def corpus(
   return lines
 
 
-def _train_proto(lines: Iterable[str], vocab_size: int) -> bytes:
+def symbols(families: Sequence[str] = DEFAULT_FAMILIES) -> tuple[str, ...]:
+  """The user-defined pieces (always one token each): chat markers, math symbols, then those the families declare
+  (a family module's optional SYMBOLS, e.g. the tool-call template of agents/toolmul.py)."""
+  extra = [s for f in families for s in getattr(tasks.get_task(f), "SYMBOLS", ())]
+  return CHAT_SYMBOLS + MATH_SYMBOLS + tuple(dict.fromkeys(extra))
+
+
+def _train_proto(lines: Iterable[str], vocab_size: int, pieces: Sequence[str] = CHAT_SYMBOLS + MATH_SYMBOLS) -> bytes:
   buf = io.BytesIO()
   spm.SentencePieceTrainer.train(
     sentence_iterator=iter(lines),
@@ -80,7 +88,7 @@ def _train_proto(lines: Iterable[str], vocab_size: int) -> bytes:
     unk_id=UNK_ID,
     bos_id=BOS_ID,
     eos_id=EOS_ID,
-    user_defined_symbols=list(CHAT_SYMBOLS + MATH_SYMBOLS),
+    user_defined_symbols=list(pieces),
     num_threads=1,
     minloglevel=2,
   )
@@ -94,12 +102,12 @@ def train_tokenizer(
   families: Sequence[str] = DEFAULT_FAMILIES,
   lines: Sequence[str] | None = None,
 ) -> str:
-  """Trains the SentencePiece model on `lines` (default `corpus(families)`) and writes it atomically to
-  `model_path`."""
+  """Trains the SentencePiece model on `lines` (default `corpus(families)`) with the families' `symbols` and
+  writes it atomically to `model_path`."""
   if not isinstance(vocab_size, int) or vocab_size < 300:
     raise ValueError(f"vocab_size must be an int >= 300 (256 byte pieces + specials), got {vocab_size!r}")
   lines = corpus(families) if lines is None else lines
-  model = sp_pb2.ModelProto.FromString(_train_proto(lines, vocab_size))
+  model = sp_pb2.ModelProto.FromString(_train_proto(lines, vocab_size, symbols(families)))
   for k in range(vocab_size - len(model.pieces)):  # fill up to exactly vocab_size with unused control pieces
     model.pieces.add(piece=f"<|reserved_{k}|>", score=0.0, type=sp_pb2.ModelProto.SentencePiece.CONTROL)
   proto = model.SerializeToString(deterministic=True)
@@ -111,10 +119,12 @@ def train_tokenizer(
   return model_path
 
 
-def model_filename(vocab_size: int = DEFAULT_VOCAB_SIZE, lines: Sequence[str] | None = None) -> str:
-  """Cache file name: a hash of the recipe version, vocab size and the corpus itself, so a change of any task
-  generator retrains instead of loading a stale model."""
-  h = hashlib.sha256(f"v{_VERSION}:{vocab_size}".encode())
+def model_filename(
+  vocab_size: int = DEFAULT_VOCAB_SIZE, lines: Sequence[str] | None = None, pieces: Sequence[str] = ()
+) -> str:
+  """Cache file name: a hash of the recipe version, vocab size, extra user-defined pieces and the corpus itself, so
+  a change of any task generator retrains instead of loading a stale model."""
+  h = hashlib.sha256(f"v{_VERSION}:{vocab_size}".encode() + "".join(f"|{p}" for p in pieces).encode())
   for line in corpus() if lines is None else lines:
     h.update(line.encode() + b"\n")
   return f"sp_{vocab_size}_{h.hexdigest()[:12]}.model"
@@ -125,9 +135,10 @@ def load_tokenizer(
 ) -> "Tokenizer":
   """The tokenizer cached in `cache_dir` (default `default_cache_dir()`), training it first if missing."""
   lines = corpus(families)
-  path = os.path.join(cache_dir or default_cache_dir(), model_filename(vocab_size, lines))
+  extra = symbols(families)[len(CHAT_SYMBOLS + MATH_SYMBOLS) :]
+  path = os.path.join(cache_dir or default_cache_dir(), model_filename(vocab_size, lines, extra))
   if not os.path.exists(path):
-    train_tokenizer(path, vocab_size=vocab_size, lines=lines)
+    train_tokenizer(path, vocab_size=vocab_size, families=families, lines=lines)
   return Tokenizer(path)
 
 
@@ -207,9 +218,16 @@ class Tokenizer:
 
   def format_example(self, prompt: str, answer: str) -> tuple[np.ndarray, np.ndarray]:
     """(ids [T] int32, loss_mask [T] float32): the prompt, then answer + eos; loss_mask is 1 exactly on the
-    assistant's tokens (answer and eos) and 0 on bos, the user turn and the <|assistant|> marker."""
-    p = self.format_prompt(prompt)
-    a = self.encode(answer) + [self.eos_id]
-    ids = np.asarray(p + a, dtype=np.int32)
-    mask = np.concatenate([np.zeros(len(p), np.float32), np.ones(len(a), np.float32)])
-    return ids, mask
+    assistant's tokens (answer and eos) and 0 on bos, the user turn and the <|assistant|> marker. A multi-turn
+    answer "A1<|tool|>R1<|assistant|>A2..." holds tool messages: "<|tool|>R<|assistant|>" is encoded as the
+    rollout engine appends it (encode("<|tool|>R") + the assistant id) and has loss_mask 0."""
+    ids, mask = list(self.format_prompt(prompt)), [0.0] * len(self.format_prompt(prompt))
+    first, *turns = answer.split(TOOL)
+    parts = [(self.encode(first), 1.0)]
+    for turn in turns:
+      result, _, own = turn.partition(ASSISTANT)
+      parts += [(self.encode(TOOL + result) + [self.assistant_id], 0.0), (self.encode(own), 1.0)]
+    for part, m in parts + [([self.eos_id], 1.0)]:
+      ids += part
+      mask += [m] * len(part)
+    return np.asarray(ids, np.int32), np.asarray(mask, np.float32)

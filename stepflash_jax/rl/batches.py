@@ -10,14 +10,16 @@ from stepflash_jax import parallel
 
 def sequences(prompts, gen):
   """Prompt batch + engine output -> full sequences with positions and segment ids for the training engine, and
-  the experts the rollout engine chose (router replay)."""
+  the experts the rollout engine chose (router replay). `mask` (loss, ratios, values) is the engine's
+  response_mask; segment ids mark every trajectory token (response_valid: tool outputs included)."""
   R = gen["response"].shape[1]
   mask = np.asarray(gen["response_mask"], np.float32)
+  valid = np.asarray(gen.get("response_valid", mask))  # multi-turn: tool outputs are context, not loss
   pos_r = prompts["lengths"][:, None] + np.arange(R)[None]
   out = {
     "tokens": np.concatenate([prompts["tokens"], np.asarray(gen["response"])], 1).astype(np.int32),
     "positions": np.concatenate([prompts["positions"], pos_r], 1).astype(np.int32),
-    "segment_ids": np.concatenate([prompts["segment_ids"], mask.astype(np.int32)], 1),
+    "segment_ids": np.concatenate([prompts["segment_ids"], valid.astype(np.int32)], 1),
     "response": np.asarray(gen["response"], np.int32),
     "mask": mask,
     "logp_rollout": np.asarray(gen["logp"], np.float32),

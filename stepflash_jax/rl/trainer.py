@@ -30,6 +30,7 @@ import numpy as np
 
 from stepflash_jax import model as model_lib
 from stepflash_jax import parallel
+from stepflash_jax.agents.rollout import Agent, tool_metrics
 from stepflash_jax.data import prompt_dataset
 from stepflash_jax.rl.batches import minibatches, repeat_prompts, sequences
 from stepflash_jax.rl.critic import critic_from_actor
@@ -65,21 +66,24 @@ def init_state(config, ref, args, mesh, rules):
   return state, actor_tx, critic_tx
 
 
+def engine_kw(rc) -> dict:
+  """The rollout engine's numerics and sampling: rl.rollout_dtype, rl.rollout_quantize weights, rl.temperature /
+  top_p / logit_noise."""
+  quantize = None if rc.get("rollout_quantize", "none") == "none" else rc.rollout_quantize
+  return dict(
+    dtype=rc.rollout_dtype, temperature=rc.temperature, top_p=rc.top_p, logit_noise=rc.logit_noise, quantize=quantize
+  )
+
+
 def rollout_engine(config, tok) -> RolloutEngine:
-  """The inference engine of the rollouts: rl.rollout_dtype numerics and rl.rollout_quantize weights,
-  rl.temperature / top_p / logit_noise."""
-  rc = config.rl
+  """The inference engine of the (single-turn) rollouts, with engine_kw(config.rl)."""
   return RolloutEngine(
     config.model,
     max_prompt_len=config.data.max_prompt_len,
-    max_new_tokens=rc.max_new_tokens,
+    max_new_tokens=config.rl.max_new_tokens,
     eos_id=tok.eos_id,
     pad_id=tok.pad_id,
-    dtype=rc.rollout_dtype,
-    temperature=rc.temperature,
-    top_p=rc.top_p,
-    logit_noise=rc.logit_noise,
-    quantize=None if rc.get("rollout_quantize", "none") == "none" else rc.rollout_quantize,
+    **engine_kw(config.rl),
   )
 
 
@@ -114,11 +118,17 @@ def _run(config, workdir, log, mesh, rules):
   if not start:  # generation 0 = the SFT policy: the curves' first point
     writer.write(0, {f"eval/{k}": v for k, v in acc0.items()})
   fns = Programs(args, rc, actor_tx, critic_tx, P, frozen_mask(ref["params"], rc.freeze_router))
-  engine = rollout_engine(config, tok)
+  # multi-turn tool use with an `agent` section (agents/rollout.py), else the single-turn engine
+  engine = (
+    rollout_engine(config, tok) if "agent" not in config else Agent(config, tok, rc.max_new_tokens, **engine_kw(rc))
+  )
 
   def sample(policy, prompts, index):  # in the rollout thread with rl.async: its own mesh context
+    key = generation_rng(config.seed, index)[0]
     with parallel.use_mesh(mesh, rules):
-      return rollout(engine, policy, prompts, generation_rng(config.seed, index)[0], rc, mesh, rules)
+      if isinstance(engine, Agent):
+        return engine.sample(policy, prompts, prompts["examples"], key)
+      return rollout(engine, policy, prompts, key, rc, mesh, rules)
 
   repeat = functools.partial(repeat_prompts, n=rc.samples_per_prompt)
   queue = RolloutQueue(sample, data, s, background=rc.get("async", False), prepare=repeat)
@@ -156,6 +166,7 @@ def _run(config, workdir, log, mesh, rules):
         ckpt.save(step + 1, {**state, "behind": behind} if s else state, {"data": data_state}, force=True)
   finally:
     queue.close()
+    engine.close() if isinstance(engine, Agent) else None
   writer.close()
   ckpt.wait()
   if start >= rc.steps:
@@ -204,6 +215,8 @@ def train_generation(ctx, state, step, prompts, gen, clock):
   clock.stop("update")
   metrics = generation_metrics(batch, gen, scored, scores, am, cm)
   metrics["router_replay"] = float(replay)
+  if "turns" in gen:  # multi-turn tool use
+    metrics.update(tool_metrics(gen))
   return state, metrics
 
 

@@ -22,7 +22,7 @@ from jax import lax
 from stepflash_jax.model.cache import init_cache
 from stepflash_jax.sampling.calls import cast_variables, empty_expert_ids, model_call
 from stepflash_jax.sampling.plain import Sampling, Shapes, accumulate, prefill_inputs, result
-from stepflash_jax.sampling.sample import draw, noisy, sampling_logprobs
+from stepflash_jax.sampling.sample import draw, is_stop, noisy, sampling_logprobs
 
 # A refill is one [B, P] prefill call (~P decode steps of work on a CPU): it runs once 1 / REFILL_FRACTION of the
 # slots are free, or all of them, not for every finished row.
@@ -102,7 +102,7 @@ def generate_continuous(st: Shapes, variables, prompts, lens, limits, sampling: 
     seg = seg_all[q] * take[:, None]
     logits, _, cache, conf, ntok, ids = model_call(a, v, prompts[q], pos_all[q], seg, _rows(s["cache"], take), 0)
     tok, lp = sample(q, jnp.zeros_like(q), logits[:, -1])
-    end = (tok == eos) | (limits[q] <= 1)
+    end = is_stop(tok, eos) | (limits[q] <= 1)
     dst = jnp.where(take, q, Q)  # rows not refilled write nowhere
     return {
       **s,
@@ -130,7 +130,7 @@ def generate_continuous(st: Shapes, variables, prompts, lens, limits, sampling: 
     )
     tok, lp = sample(q, i, logits[:, 0])
     dst = jnp.where(active, req, Q)  # inactive rows write nowhere
-    end = active & ((tok == eos) | (i + 1 >= limits[q]))
+    end = active & (is_stop(tok, eos) | (i + 1 >= limits[q]))
     return {
       **s,
       "cache": cache,

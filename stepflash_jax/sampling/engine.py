@@ -101,6 +101,8 @@ class RolloutEngine:
   temperature 0 = greedy; top_p 1 = plain sampling; logit_noise = std of Gaussian noise added to the logits.
   spec_decode: MTP-K draft + verify (needs num_mtp_layers >= 1); same output distribution, fewer model calls.
   quantize: None, "int8" or "fp8": weight-only quantized matrices, per output channel (sampling/quantize.py).
+  stop_ids: more tokens that end a response like EOS (e.g. the tool-call end of a multi-turn turn); a response
+  ending in one of them is not "truncated".
   compiler_options: XLA options for jax.jit, e.g. FAST_COMPILE (tests, short CPU runs).
   Engines that differ only in eos/pad ids and sampling settings share one compiled program (`plain.Sampling`: traced).
   """
@@ -120,12 +122,14 @@ class RolloutEngine:
     spec_decode=False,
     compiler_options=None,
     quantize=None,
+    stop_ids=(),
   ):
     base = M.as_args(model_cfg)
     for name, val in (("max_prompt_len", max_prompt_len), ("max_new_tokens", max_new_tokens)):
       if int(val) < 1:
         raise ValueError(f"{name} must be >= 1, got {val}")
-    for name, val in (("eos_id", eos_id), ("pad_id", pad_id)):
+    stop_ids = tuple(int(t) for t in stop_ids)
+    for name, val in (("eos_id", eos_id), ("pad_id", pad_id)) + tuple(("stop_ids", t) for t in stop_ids):
       if not 0 <= int(val) < base.vocab_size:
         raise ValueError(f"{name} must lie in [0, vocab_size={base.vocab_size}), got {val}")
     if dtype not in ENGINE_DTYPES:
@@ -144,14 +148,15 @@ class RolloutEngine:
     self.max_prompt_len, self.max_new_tokens = int(max_prompt_len), int(max_new_tokens)
     self.eos_id, self.pad_id, self.dtype, self.spec_decode = int(eos_id), int(pad_id), dtype, bool(spec_decode)
     self.temperature, self.top_p, self.logit_noise = float(temperature), float(top_p), float(logit_noise)
-    self.quantize = quantize
+    self.quantize, self.stop_ids = quantize, stop_ids
     self._shapes = Shapes(self.args, self.max_prompt_len, self.max_new_tokens, quantize)
     self._options = tuple(sorted((compiler_options or {}).items()))
 
   @property
   def sampling(self) -> Sampling:
     f32, i32 = (lambda x: jnp.asarray(x, jnp.float32)), (lambda x: jnp.asarray(x, jnp.int32))
-    return Sampling(f32(self.temperature), f32(self.top_p), f32(self.logit_noise), i32(self.eos_id), i32(self.pad_id))
+    stop = i32((self.eos_id,) + self.stop_ids)
+    return Sampling(f32(self.temperature), f32(self.top_p), f32(self.logit_noise), stop, i32(self.pad_id))
 
   def generate(self, variables, prompts, prompt_lens, rng) -> dict:
     """prompts int [B, P'] (P' <= max_prompt_len) left-padded with pad_id, prompt_lens int [B] -> output dict."""

@@ -12,7 +12,7 @@ from jax import lax
 from stepflash_jax.config import ModelArgs
 from stepflash_jax.model.cache import init_cache
 from stepflash_jax.sampling.calls import cast_variables, empty_expert_ids, model_call, record_expert_ids
-from stepflash_jax.sampling.sample import draw, noisy, sampling_logprobs
+from stepflash_jax.sampling.sample import draw, is_stop, noisy, sampling_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Sampling(NamedTuple):
   temperature: jax.Array  # float32; <= 0: greedy
   top_p: jax.Array  # float32 in (0, 1]
   noise: jax.Array  # float32: std of Gaussian noise added to the logits (mismatch lab)
-  eos_id: jax.Array  # int32
+  eos_id: jax.Array  # int32 scalar or [S]: the stop tokens (EOS first; multi-turn adds the tool-call end)
   pad_id: jax.Array  # int32
 
 
@@ -43,7 +43,7 @@ def prefill_inputs(st, lens):
 
 
 def result(st, eos, prompts, resp, logp, mask, conf, ntok, conf_p, ids):
-  has_eos = jnp.any((resp == eos) & (mask > 0), axis=1)
+  has_eos = jnp.any(is_stop(resp, eos) & (mask > 0), axis=1)
   T = st.max_prompt_len + st.max_new_tokens
   return {
     "expert_ids": {k: x[:, :T] for k, x in ids.items()},
@@ -84,7 +84,7 @@ def generate_plain(st: Shapes, variables, prompts, lens, sampling: Sampling, rng
   s = dict(
     i=jnp.int32(1),
     cache=cache,
-    done=tok == eos,
+    done=is_stop(tok, eos),
     conf=jax.tree.map(jnp.zeros_like, conf_p),
     ntok=jnp.float32(0),
     ids=record_expert_ids(empty_expert_ids(a, B, P + N), ids, 0),
@@ -105,7 +105,7 @@ def generate_plain(st: Shapes, variables, prompts, lens, sampling: Sampling, rng
     return dict(
       i=i + 1,
       cache=cache,
-      done=s["done"] | (active & (tok == eos)),
+      done=s["done"] | (active & is_stop(tok, eos)),
       conf=accumulate(s["conf"], conf, ntok),
       ntok=s["ntok"] + ntok,
       ids=record_expert_ids(s["ids"], ids, P + i - 1),

@@ -33,3 +33,8 @@ def draw(key, lp, greedy):
   """lp [..., V] -> (token [...] int32, its log-prob [...])."""
   tok = jnp.where(greedy, jnp.argmax(lp, -1), jax.random.categorical(key, lp, -1)).astype(jnp.int32)
   return tok, jnp.take_along_axis(lp, tok[..., None], -1)[..., 0]
+
+
+def is_stop(tok, stop_ids):
+  """tok int [...] -> bool [...]: tok is one of the stop tokens (stop_ids: an int32 scalar or [S])."""
+  return jnp.any(tok[..., None] == jnp.reshape(stop_ids, (-1,)), axis=-1)

@@ -16,7 +16,7 @@ from stepflash_jax.sampling.calls import (
   rollback,
 )
 from stepflash_jax.sampling.plain import Sampling, Shapes, accumulate, prefill_inputs, result
-from stepflash_jax.sampling.sample import draw, noisy, sampling_logprobs
+from stepflash_jax.sampling.sample import draw, is_stop, noisy, sampling_logprobs
 
 
 def _stack(hs, like):
@@ -117,7 +117,7 @@ def _prefill(st: Shapes, v, prompts, lens, sampling: Sampling, rng, sampler):
     logp=jnp.zeros((B, C), jnp.float32).at[:, P].set(lp0),
     s=s,
     g=jnp.ones((B,), jnp.int32),
-    done=(tok0 == eos) | (N <= 1),
+    done=is_stop(tok0, eos) | (N <= 1),
     drafts=drafts,
     lq=lq,
     carries=carries,
@@ -193,7 +193,7 @@ def generate_spec(st: Shapes, variables, prompts, lens, sampling: Sampling, rng)
     dpad = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], 1)
     ctok = jnp.where(j1 < n[:, None], dpad, t_new[:, None])
     clp = jnp.where(j1 < n[:, None], jnp.concatenate([lp_d, jnp.zeros((B, 1))], 1), lp_new[:, None])
-    is_eos = (ctok == eos) & (j1 <= n[:, None])
+    is_eos = is_stop(ctok, eos) & (j1 <= n[:, None])
     eos_cap = jnp.where(is_eos.any(1), jnp.argmax(is_eos, 1) + 1, K + 1)
     n_commit = jnp.where(active, jnp.minimum(jnp.minimum(n + 1, N - S["g"]), eos_cap), 0)
     wmask, wcol = j1 < n_commit[:, None], (s + 2 + pad)[:, None] + j1

@@ -25,6 +25,7 @@ from stepflash_jax import model as model_lib
 from stepflash_jax import parallel
 from stepflash_jax.train import state as state_lib
 from stepflash_jax.data import future_targets, load_tokenizer, sft_dataset
+from stepflash_jax.data.tokenizer import DEFAULT_FAMILIES
 from stepflash_jax.model.moe import ep_balance_loss, routing_metrics, update_router_bias
 from stepflash_jax.train import evaluate
 from stepflash_jax.train.checkpoint import Checkpointer
@@ -111,7 +112,8 @@ def _train(config, workdir, log, mesh, rules):
   t = config.train
   stage = "pretrain" if config.job == "pretrain" else "sft"  # an RL config's SFT stage has job "rl"
   pretrain = stage == "pretrain"
-  tok = load_tokenizer(config.data.tokenizer_dir or None, vocab_size=config.model.vocab_size)
+  families = tuple(config.data.get("tokenizer_families", DEFAULT_FAMILIES))  # + their SYMBOLS (tool calls)
+  tok = load_tokenizer(config.data.tokenizer_dir or None, vocab_size=config.model.vocab_size, families=families)
   data = sft_dataset(
     tok,
     batch_size=parallel.local_batch_size(config.data.batch_size),

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from stepflash_jax import config as model_config_lib
+from stepflash_jax.agents import envs
+from stepflash_jax.agents.tools import CALL_CLOSE
 from stepflash_jax.data import tasks
+from stepflash_jax.data.tokenizer import DEFAULT_FAMILIES, symbols
 from stepflash_jax.optim.muon import PE_SAFETY_SCHEDULES
 from stepflash_jax.parallel.mesh import check_rules, mesh_shape
 from stepflash_jax.parallel.mesh import config_error as _err
@@ -67,12 +70,35 @@ def validate_run_config(c, num_devices: int | None = None) -> None:
     _err("eval.dtype", f"must be one of {ENGINE_DTYPES}, got {c.eval.dtype!r}")
   if "rl" in c:
     _check_rl(c)
+  _check_agent(c)
   if num_devices is not None:
     sizes = mesh_shape(c.mesh, num_devices)
     if c.model.num_experts % sizes["expert"]:
       _err("mesh.expert", f"{sizes['expert']} does not divide model.num_experts={c.model.num_experts}")
   if "rules" in c.mesh:
     check_rules(tuple(tuple(r) for r in c.mesh.rules))
+
+
+def _check_agent(c):
+  """data.tokenizer_families and the `agent` section (multi-turn tool use, agents/rollout.py)."""
+  families = tuple(c.data.get("tokenizer_families", DEFAULT_FAMILIES))
+  for f in families:
+    if f not in tasks.families():
+      _err("data.tokenizer_families", f"unknown task family {f!r}; registered: {tasks.families()}")
+  if "agent" not in c:
+    return
+  a = c.agent
+  if a.env not in envs.ENVIRONMENTS:
+    _err("agent.env", f"must be one of {sorted(envs.ENVIRONMENTS)}, got {a.env!r}")
+  for n in ("max_turns", "turn_tokens", "workers"):
+    if isinstance(a[n], bool) or not isinstance(a[n], int) or a[n] < 1:
+      _err(f"agent.{n}", f"must be an int >= 1, got {a[n]!r}")
+  if a.executor not in ("local", "ray"):
+    _err("agent.executor", f"must be 'local' or 'ray', got {a.executor!r}")
+  if CALL_CLOSE not in symbols(families):
+    _err("data.tokenizer_families", f"must include a tool-use family (e.g. toolmul) for the agent, got {families}")
+  if "rl" in c and (c.rl.router_replay != "off" or c.rl.get("rollout_slots", 0)):
+    _err("rl.router_replay", "multi-turn rollouts (agent) need router_replay 'off' and rollout_slots 0")
 
 
 def _check_rl(c):
