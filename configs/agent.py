@@ -1,10 +1,15 @@
 """Agentic RL: SFT on tool-use demonstrations, then MIS-PO with multi-turn rollouts that call a calculator tool
 (docs/agents.md; the task: stepflash_jax/agents/toolmul.py).
 
-  python experiments/run.py --config=configs/agent.py          # measured: see the README (runs/agent)
-  python experiments/run.py --config=configs/agent.py:small    # ~3 minute smoke run of every stage
+  python experiments/run.py --config=configs/agent.py          # ~15 min on 2 cores (2026-12-02), runs/agent
+  python experiments/run.py --config=configs/agent.py:small    # ~6 minute smoke run of every stage
 The tiny model cannot multiply 3-4 digit numbers; with the `multiply` tool it has to write well-formed calls with
 the right digits (one call for a*b, two for a*b*c, the second on the first's result) and copy the last result out.
+Measured 2026-12-02 (Intel Xeon @ 2.00GHz, 2 cores), held-out greedy multi-turn accuracy (192 problems): SFT 150
+steps 0.943; SFT 100 steps 0.464 (a*b 0.96, a*b*c 0.00: the second call's factor is not yet copied from the
+prompt) -> 0.474 after 24 generations of MIS-PO (actor LR 3e-5). RL cannot improve a problem type on which the SFT
+policy never succeeds; the SFT accuracy jumps from ~0.5 to ~0.85 between steps 90 and 100 of a 150-step run.
+Not yet the +10-point job issue 15 asks for (see the README).
 """
 
 import ml_collections
@@ -21,7 +26,7 @@ def get_config(arg: str = ""):
   c.data.tokenizer_families = ("arithmetic", "countdown", "toolmul")  # + the tool-call template's pieces
   c.data.max_prompt_len = 24  # "Use multiply: 4942*7143*8661" is 22 tokens
   c.data.seq_len = 256  # two demonstrations per packed row
-  c.train.steps = 40 if small else 150
+  c.train.steps = 40 if small else 100  # 100: a*b solved, a*b*c not yet (docstring)
   c.train.eval_every = c.train.steps
 
   c.agent = a = ml_collections.ConfigDict()

@@ -118,17 +118,7 @@ def _run(config, workdir, log, mesh, rules):
   if not start:  # generation 0 = the SFT policy: the curves' first point
     writer.write(0, {f"eval/{k}": v for k, v in acc0.items()})
   fns = Programs(args, rc, actor_tx, critic_tx, P, frozen_mask(ref["params"], rc.freeze_router))
-  # multi-turn tool use with an `agent` section (agents/rollout.py), else the single-turn engine
-  engine = (
-    rollout_engine(config, tok) if "agent" not in config else Agent(config, tok, rc.max_new_tokens, **engine_kw(rc))
-  )
-
-  def sample(policy, prompts, index):  # in the rollout thread with rl.async: its own mesh context
-    key = generation_rng(config.seed, index)[0]
-    with parallel.use_mesh(mesh, rules):
-      if isinstance(engine, Agent):
-        return engine.sample(policy, prompts, prompts["examples"], key)
-      return rollout(engine, policy, prompts, key, rc, mesh, rules)
+  sample, close_engine = sampler(config, tok, mesh, rules)
 
   repeat = functools.partial(repeat_prompts, n=rc.samples_per_prompt)
   queue = RolloutQueue(sample, data, s, background=rc.get("async", False), prepare=repeat)
@@ -166,12 +156,33 @@ def _run(config, workdir, log, mesh, rules):
         ckpt.save(step + 1, {**state, "behind": behind} if s else state, {"data": data_state}, force=True)
   finally:
     queue.close()
-    engine.close() if isinstance(engine, Agent) else None
+    close_engine()
   writer.close()
   ckpt.wait()
   if start >= rc.steps:
     acc = evaluate.accuracy(config, actor_vars(), tok, eval_set)
   return finish(config, workdir, acc0, acc, log)
+
+
+def sampler(config, tok, mesh, rules):
+  """(sample(policy, prompts, generation index) -> the rollout on the host, a function that releases the engine):
+  multi-turn tool use with an `agent` section (agents/rollout.py), else the single-turn engine."""
+  rc = config.rl
+  if "agent" in config:
+    agent = Agent(config, tok, rc.max_new_tokens, **engine_kw(rc))
+
+    def sample(policy, prompts, index):  # in the rollout thread with rl.async: its own mesh context
+      with parallel.use_mesh(mesh, rules):
+        return agent.sample(policy, prompts, prompts["examples"], generation_rng(config.seed, index)[0])
+
+    return sample, agent.close
+  engine = rollout_engine(config, tok)
+
+  def sample(policy, prompts, index):
+    with parallel.use_mesh(mesh, rules):
+      return rollout(engine, policy, prompts, generation_rng(config.seed, index)[0], rc, mesh, rules)
+
+  return sample, lambda: None
 
 
 def generation_rng(seed: int, step: int):
