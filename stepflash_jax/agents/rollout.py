@@ -17,7 +17,7 @@ Output (R = max_response), the engine's format plus what the trainer needs for t
   response_valid [B, R] f32  1 on every token of the trajectory (the training pass attends to tool outputs too)
   logp [B, R] f32            the engine's log-probs of the model's tokens, 0 elsewhere
   truncated [B] bool         the trajectory hit max_response; lengths [B] int32 (all tokens)
-  turns, tool_calls, parse_errors, tool_errors, timeouts [B] int32: per trajectory
+  turns, calls, parse_errors, tool_errors, timeouts [B] int32: per trajectory
 step_fn({"example": ..., "text": the turn's text}) -> {"message": str, "calls", "parse_errors", "tool_errors",
 "timeouts": int}: executes the turn's tool calls (a module-level function: executors may pickle it).
 """
@@ -29,6 +29,7 @@ import numpy as np
 
 from stepflash_jax.agents import envs, executor
 from stepflash_jax.agents.tools import CALL_CLOSE
+from stepflash_jax.data import pad_prompts
 from stepflash_jax.data.tokenizer import TOOL
 from stepflash_jax.sampling import RolloutEngine
 
@@ -41,13 +42,6 @@ def _bucket(n: int, B: int) -> int:
   while size > 1 and -(-size // 2) >= n:
     size = -(-size // 2)
   return size
-
-
-def _left_pad(rows, width: int, pad_id: int) -> np.ndarray:
-  out = np.full((len(rows), width), pad_id, np.int32)
-  for i, r in enumerate(rows):
-    out[i, width - len(r) :] = r
-  return out
 
 
 class _Trajectories:
@@ -96,12 +90,8 @@ def multi_turn(
     if not active:
       break
     rows = active + [active[0]] * (_bucket(len(active), B) - len(active))  # padding rows: outputs dropped
-    ctx = [list(prompts[b]) + traj.tokens[b] for b in rows]
-    out = jax.device_get(
-      engine.generate(
-        variables, _left_pad(ctx, width, engine.pad_id), np.array([len(c) for c in ctx]), jax.random.fold_in(key, turn)
-      )
-    )
+    ctx = pad_prompts([list(prompts[b]) + traj.tokens[b] for b in rows], width, pad_id=engine.pad_id)
+    out = jax.device_get(engine.generate(variables, ctx["tokens"], ctx["lengths"], jax.random.fold_in(key, turn)))
     conf.append(float(out["routing_confidence"]))
     conf_layers.append({k: float(v) for k, v in out["routing_confidence_layers"].items()})
     calling = []
