@@ -164,6 +164,10 @@ def test_resolve_precedence_and_divisibility():
   # 6 heads over tensor 4: not divisible -> replicated; embed 12 over fsdp x expert = 8 -> fsdp only
   assert parallel.resolve(("embed", "heads"), R, sizes, (12, 6), dropped) == P("fsdp", None)
   assert len(dropped) == 2
+  # size-1 mesh axes are left out: one layout (one compiled program) whatever the rules name
+  ones = dict(data=1, fsdp=1, expert=2, context=1, tensor=1)
+  assert parallel.resolve(("embed", "heads"), R, ones, (12, 6)) == P("expert", None)
+  assert parallel.resolve(("vocab", "embed"), R, dict(ones, expert=1), (512, 128)) == P(None, None)
   # config override: prepended rules win
   R2 = parallel.rules({"mesh": {"rules": (("vocab", None), ("embed", "fsdp"))}})
   assert parallel.resolve(("vocab", "embed"), R2) == P(None, "fsdp")

@@ -106,7 +106,9 @@ def resolve(
   Precedence as flax: rules in order; a rule applies to a still-unassigned dimension if none of its mesh axes is
   used yet. With `axis_sizes` and `shape`, trailing mesh axes whose product does not divide the dimension are
   dropped (recorded in `dropped` as (names, dim, removed axes)); if none remain the dimension stays open for a
-  later rule. Without them the raw rule resolution is returned (what the golden files record).
+  later rule; mesh axes of size 1 are left out (the same layout, so the same compiled program - and persistent
+  compilation-cache entry - whether the arrays come from `init` or a checkpoint). Without them the raw rule
+  resolution is returned (what the golden files record).
   """
   names = tuple(names)
   if len(set(n for n in names if n is not None)) != len([n for n in names if n is not None]):
@@ -122,6 +124,10 @@ def resolve(
     axes = as_tuple(mesh_axes)
     if used & set(axes):
       continue
+    if axis_sizes is not None:  # size-1 axes split nothing: leaving them out keeps one program per real layout
+      axes = tuple(a for a in axes if axis_sizes[a] > 1)
+      if not axes:
+        continue
     if axes and axis_sizes is not None and shape is not None:
       keep = axes
       while keep and shape[pos] % math.prod(axis_sizes[a] for a in keep):
