@@ -17,7 +17,7 @@ def test_demonstrations_verify_and_splits_are_disjoint():
   for split in ("train", "test"):
     for seed in range(40):
       for d in toolmul.DIFFICULTIES:
-        for variant in toolmul.VARIANTS:
+        for variant in (None, "3"):
           ex = tasks.generate("toolmul", seed, d, split=split, variant=variant)
           factors = ex["metadata"]["factors"]
           assert len(factors) == (3 if variant == "3" else 2) and all(len(str(f)) == d for f in factors)
@@ -29,6 +29,26 @@ def test_demonstrations_verify_and_splits_are_disjoint():
   product = int(np.prod(ex["metadata"]["factors"]))
   assert tasks.check(ex, str(product))  # a direct answer counts too (the model cannot compute it, though)
   assert not tasks.check(ex, f"<tool_call>x</tool_call><|tool|>{product}<|assistant|>no")
+
+
+def test_weak_teacher_skips_the_tool_on_3_digit_problems_only():
+  assert toolmul.estimate([482, 551]) == "<think>482*551 is about 500*600</think>300000"
+  assert toolmul.rounded([951, 36, 7]) == [1000, 40, 7]
+  skips = []
+  for seed in range(300):
+    for d in (3, 4):
+      for weak, plain in (("weak", None), ("3weak", "3")):
+        ex, ref = (tasks.generate("toolmul", seed, d, variant=v) for v in (weak, plain))
+        assert ex["prompt"] == ref["prompt"]  # the same problems, only the demonstration differs
+        if "<tool_call>" in ex["answer"]:
+          assert ex["answer"] == ref["answer"]
+        else:  # an estimate, which the checker rejects
+          assert d == 3 and ex["answer"] == toolmul.estimate(ex["metadata"]["factors"])
+          assert not tasks.check(ex, ex["answer"])
+        if d == 3:
+          skips.append("<tool_call>" not in ex["answer"])
+  # 600 draws of Bernoulli(0.7) (an exact estimate would keep the tool): within 5 standard deviations
+  assert abs(np.mean(skips) - toolmul.WEAK_SKIP) < 5 * np.sqrt(0.7 * 0.3 / len(skips))
 
 
 def test_tokenizer_pieces_and_tool_messages_out_of_the_loss(tmp_path):

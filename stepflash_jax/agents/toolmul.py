@@ -8,6 +8,11 @@ only has to copy digits into the calls and the final result out of the last tool
   answer  <tool_call>..multiply(a=482, b=551)..</tool_call><|tool|>265582<|assistant|>
           <tool_call>..multiply(a=265582, b=77)..</tool_call><|tool|>20449814<|assistant|>20449814
 
+Variants "weak" / "3weak" are the same problems demonstrated by a weak teacher that over-trusts mental
+arithmetic: on all-3-digit problems it skips the tool with probability WEAK_SKIP and answers a rounded estimate
+("<think>482*551 is about 500*600</think>300000") - the under-calling of tools that agentic RL has to fix. Prompts, checker and held-out
+problems are those of the plain variants; only the demonstrations (the SFT data) differ.
+
 The demonstration is made like the report's tool-use data (atomic intents as a finite-state machine, sample ->
 execute -> verify): the state is (running product, factors left); the intent "multiply" is executed by the real
 environment (envs.calculator_step on the formatted call), the intent "answer" ends; the finished demonstration is
@@ -18,6 +23,7 @@ the last <|assistant|> marker (the final turn).
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from typing import Any, Mapping
@@ -31,7 +37,8 @@ from stepflash_jax.data.tokenizer import ASSISTANT, TOOL
 
 FAMILY = "toolmul"
 DIFFICULTIES = (3, 4, 5, 6)
-VARIANTS = (None, "3")
+VARIANTS = (None, "3", "weak", "3weak")
+WEAK_SKIP = 0.7  # the weak teacher's probability of answering an estimate on 3-digit problems (greedy SFT follows it)
 # one token each in a tokenizer whose families include this one (tokenizer.symbols)
 SYMBOLS = (CALL_OPEN, CALL_CLOSE, "<function=", "</function>", "<parameter=", "</parameter>", TOOL)
 _INT_RE = re.compile(r"^\d{1,64}$")
@@ -41,8 +48,25 @@ def canonical(metadata: Mapping[str, Any]) -> str:
   return f"{FAMILY}:" + "*".join(str(int(f)) for f in metadata["factors"])
 
 
-def demonstrate(factors) -> str:
-  """The tool-use trajectory for factors (module docstring): execute each intent, verify the answer."""
+def rounded(factors) -> list:
+  """Every factor rounded to one significant digit (482 -> 500, 974 -> 1000)."""
+  return [round(f / 10 ** (len(str(f)) - 1)) * 10 ** (len(str(f)) - 1) for f in factors]
+
+
+def estimate(factors) -> str:
+  """The weak teacher's answer: a thought on the rounded factors, then their product
+  ("<think>482*551 is about 500*600</think>300000"). Its first token, <think>, is shared by every such answer: at
+  WEAK_SKIP = 0.7 it outweighs <tool_call> (0.3) under greedy decoding, where a bare number's first digit would
+  not."""
+  r = rounded(factors)
+  return base.think("*".join(map(str, factors)) + " is about " + "*".join(map(str, r)), str(math.prod(r)))
+
+
+def demonstrate(factors, skip_tool: bool = False) -> str:
+  """The tool-use trajectory for factors (module docstring): execute each intent, verify the answer. skip_tool:
+  the weak teacher's answer without any call (`estimate`; the tool when the estimate happens to be exact)."""
+  if skip_tool and not check({"factors": list(factors)}, estimate(factors)):
+    return estimate(factors)
   acc, text = factors[0], ""
   for nxt in factors[1:]:  # intent "multiply": the call, executed by the environment
     call = format_tool_call("multiply", {"a": str(acc), "b": str(nxt)})
@@ -58,14 +82,16 @@ def demonstrate(factors) -> str:
 
 
 def generate(seed: int, difficulty: int, split: str = "train", variant: str | None = None) -> dict:
-  d, rng = base.generator_rng(FAMILY, DIFFICULTIES, VARIANTS, seed, difficulty, split, variant)
-  n = 3 if variant == "3" else 2
+  d, _ = base.generator_rng(FAMILY, DIFFICULTIES, VARIANTS, seed, difficulty, split, variant)
+  rng = base.rng_for(FAMILY, seed, d, split, {"weak": None, "3weak": "3"}.get(variant, variant))  # same problems
+  n = 3 if variant in ("3", "3weak") else 2
   for _ in range(base.MAX_REJECTION_TRIES):
     factors = [operand(rng, d) for _ in range(n)]
     if base.split_of(canonical({"factors": factors})) == split:
       prompt = "Use multiply: " + "*".join(map(str, factors))
+      skip = variant in ("weak", "3weak") and d == 3 and rng.random() < WEAK_SKIP
       meta = {"factors": factors}
-      return dict(prompt=prompt, answer=demonstrate(factors), family=FAMILY, difficulty=d, metadata=meta)
+      return dict(prompt=prompt, answer=demonstrate(factors, skip), family=FAMILY, difficulty=d, metadata=meta)
   raise ValueError(f"no {split!r} problem found for difficulty={d}")
 
 

@@ -64,8 +64,9 @@ def _score(tok, chunks, outs) -> dict:
       correct.append(ok)
       truncated.append(bool(trunc[b]))
       by_family.setdefault(ex["family"], []).append(ok)
+      by_family.setdefault(f"{ex['family']}_d{ex['difficulty']}", []).append(ok)
   out = {"accuracy": float(np.mean(correct)), "truncated": float(np.mean(truncated))}
-  out.update({f"accuracy_{f}": float(np.mean(v)) for f, v in by_family.items()})
+  out.update({f"accuracy_{f}": float(np.mean(v)) for f, v in sorted(by_family.items())})
   return out
 
 
