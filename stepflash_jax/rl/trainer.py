@@ -343,6 +343,10 @@ def finish(config, workdir, acc0, acc, log):
       "confidence_train",
       "flip_rate",
       "truncation_rate",
+      "tool_calls",  # agent runs only (absent keys are skipped)
+      "turns",
+      "parse_error_rate",
+      "tool_error_rate",
     ],
     os.path.join(workdir, "rl.png"),
     title=f"RL ({config.rl.objective})",
