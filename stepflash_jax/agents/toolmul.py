@@ -10,8 +10,8 @@ only has to copy digits into the calls and the final result out of the last tool
 
 Variants "weak" / "3weak" are the same problems demonstrated by a weak teacher that over-trusts mental
 arithmetic: on all-3-digit problems it skips the tool with probability WEAK_SKIP and answers a rounded estimate
-("<think>482*551 is about 500*600</think>300000") - the under-calling of tools that agentic RL has to fix. Prompts, checker and held-out
-problems are those of the plain variants; only the demonstrations (the SFT data) differ.
+("<think>482*551 is about 500*600</think>300000") - the under-calling of tools that agentic RL has to fix.
+Prompts, checker and held-out problems are those of the plain variants; only the demonstrations (SFT data) differ.
 
 The demonstration is made like the report's tool-use data (atomic intents as a finite-state machine, sample ->
 execute -> verify): the state is (running product, factors left); the intent "multiply" is executed by the real
