@@ -23,7 +23,6 @@ Known limit: the causal ring is unbalanced (shard s computes s + 1 blocks); a zi
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -63,19 +62,26 @@ def halo_attention(q, k, v, seg, *, axis, n: int, window: int, attend):
   return attend(q2, *kv, seg2)[:, w:]
 
 
-def _block(qg, k, v, qseg, kseg, scale, causal: bool):
+def _block(qg, k, v, qseg, kseg, scale, q0=None):
   """Softmax statistics of queries qg [b, Tq, Hkv, G, D] over one key block k / v [b, Tk, Hkv, D]:
   (m, l [b, Tq, Hkv, G], acc [b, Tq, Hkv, G, D]), all fp32, with m = max_j s_j (no gradient), l = sum_j exp(s_j - m),
-  acc = sum_j exp(s_j - m) v_j over the visible keys (equal segment ids; j <= i if `causal`, Tq == Tk)."""
+  acc = sum_j exp(s_j - m) v_j over the visible keys: equal segment ids and, if q0 (the position of the first query
+  in the block's key positions) is given, j <= q0 + i."""
   s = jnp.einsum("bqhgd,bkhd->bqhgk", qg, k, preferred_element_type=jnp.float32) * scale
   mask = qseg[:, :, None, None, None] == kseg[:, None, None, None, :]
-  if causal:
-    mask = mask & (jnp.arange(k.shape[1])[None, :] <= jnp.arange(qg.shape[1])[:, None])[None, :, None, None]
+  if q0 is not None:
+    causal = jnp.arange(k.shape[1])[None, :] <= (q0 + jnp.arange(qg.shape[1]))[:, None]
+    mask = mask & causal[None, :, None, None]
   s = jnp.where(mask, s, MASK_VALUE)
   m = lax.stop_gradient(jnp.max(s, axis=-1))
   p = jnp.exp(s - m[..., None])
   acc = jnp.einsum("bqhgk,bkhd->bqhgd", p, v.astype(jnp.float32))
   return m, p.sum(-1), acc
+
+
+def _output(stats, q):
+  """(m, l, acc) -> attention output [b, Tq, Hq, D] in q.dtype."""
+  return (stats[2] / stats[1][..., None]).reshape(q.shape).astype(q.dtype)
 
 
 def _merge(a, b):
@@ -95,7 +101,7 @@ def ring_attention(q, k, v, seg, *, axis, n: int, scale=None):
   q [b, Tl, Hq, D], k / v [b, Tl, Hkv, D], seg [b, Tl] -> [b, Tl, Hq, D] in q.dtype."""
   qg, scale = _grouped(q, k, scale)
   me = lax.axis_index(axis)
-  stats = _block(qg, k, v, seg, seg, scale, causal=True)  # the diagonal block: never empty (a query sees itself)
+  stats = _block(qg, k, v, seg, seg, scale, q0=0)  # the diagonal block: never empty (a query sees itself)
   empty = (jnp.full_like(stats[0], MASK_VALUE), jnp.zeros_like(stats[1]), jnp.zeros_like(stats[2]))
   perm = [(i, (i + 1) % n) for i in range(n)]
   kseg = seg
@@ -103,28 +109,21 @@ def ring_attention(q, k, v, seg, *, axis, n: int, scale=None):
     k, v, kseg = (lax.ppermute(x, axis, perm) for x in (k, v, kseg))
     blk = lax.cond(
       t <= me,  # shard me - t >= 0 lies entirely before this one; otherwise it is in the future: skipped
-      lambda k, v, kseg: _block(qg, k, v, seg, kseg, scale, causal=False),
+      lambda k, v, kseg: _block(qg, k, v, seg, kseg, scale),
       lambda k, v, kseg: empty,
       k,
       v,
       kseg,
     )
     stats = _merge(stats, blk)
-  _, l, acc = stats
-  return (acc / l[..., None]).reshape(q.shape).astype(q.dtype)
+  return _output(stats, q)
 
 
 def gathered_attention(q, k, v, seg, *, axis, n: int, scale=None):
   """As ring_attention, with every shard's K / V all-gathered first (one [Tl, T] block per device)."""
   qg, scale = _grouped(q, k, scale)
-  tl = q.shape[1]
   k, v, kseg = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v, seg))
-  s = jnp.einsum("bqhgd,bkhd->bqhgk", qg, k, preferred_element_type=jnp.float32) * scale
-  qpos = lax.axis_index(axis) * tl + jnp.arange(tl)
-  mask = (jnp.arange(n * tl)[None, :] <= qpos[:, None])[None, :, None, None]
-  mask = mask & (seg[:, :, None, None, None] == kseg[:, None, None, None, :])
-  p = jax.nn.softmax(jnp.where(mask, s, MASK_VALUE), axis=-1)
-  return jnp.einsum("bqhgk,bkhd->bqhgd", p, v.astype(jnp.float32)).reshape(q.shape).astype(q.dtype)
+  return _output(_block(qg, k, v, seg, kseg, scale, q0=lax.axis_index(axis) * q.shape[1]), q)
 
 
 def attention(q, k, v, seg, *, axis, n: int, window, full: str, attend, scale=None):
