@@ -38,6 +38,7 @@ from stepflash_jax.data.tokenizer import ASSISTANT, TOOL
 FAMILY = "toolmul"
 DIFFICULTIES = (3, 4, 5, 6)
 VARIANTS = (None, "3", "weak", "3weak")
+_PLAIN = {"weak": None, "3weak": "3"}  # weak-teacher variant -> the plain variant whose problems it shares
 WEAK_SKIP = 0.7  # the weak teacher's probability of answering an estimate on 3-digit problems (greedy SFT follows it)
 # one token each in a tokenizer whose families include this one (tokenizer.symbols)
 SYMBOLS = (CALL_OPEN, CALL_CLOSE, "<function=", "</function>", "<parameter=", "</parameter>", TOOL)
@@ -65,8 +66,9 @@ def estimate(factors) -> str:
 def demonstrate(factors, skip_tool: bool = False) -> str:
   """The tool-use trajectory for factors (module docstring): execute each intent, verify the answer. skip_tool:
   the weak teacher's answer without any call (`estimate`; the tool when the estimate happens to be exact)."""
-  if skip_tool and not check({"factors": list(factors)}, estimate(factors)):
-    return estimate(factors)
+  guess = estimate(factors)
+  if skip_tool and not check({"factors": list(factors)}, guess):
+    return guess
   acc, text = factors[0], ""
   for nxt in factors[1:]:  # intent "multiply": the call, executed by the environment
     call = format_tool_call("multiply", {"a": str(acc), "b": str(nxt)})
@@ -83,13 +85,14 @@ def demonstrate(factors, skip_tool: bool = False) -> str:
 
 def generate(seed: int, difficulty: int, split: str = "train", variant: str | None = None) -> dict:
   d, _ = base.generator_rng(FAMILY, DIFFICULTIES, VARIANTS, seed, difficulty, split, variant)
-  rng = base.rng_for(FAMILY, seed, d, split, {"weak": None, "3weak": "3"}.get(variant, variant))  # same problems
-  n = 3 if variant in ("3", "3weak") else 2
+  plain = _PLAIN.get(variant, variant)
+  rng = base.rng_for(FAMILY, seed, d, split, plain)  # the plain variant's stream: the same problems
+  n = 3 if plain == "3" else 2
   for _ in range(base.MAX_REJECTION_TRIES):
     factors = [operand(rng, d) for _ in range(n)]
     if base.split_of(canonical({"factors": factors})) == split:
       prompt = "Use multiply: " + "*".join(map(str, factors))
-      skip = variant in ("weak", "3weak") and d == 3 and rng.random() < WEAK_SKIP
+      skip = variant in _PLAIN and d == 3 and rng.random() < WEAK_SKIP
       meta = {"factors": factors}
       return dict(prompt=prompt, answer=demonstrate(factors, skip), family=FAMILY, difficulty=d, metadata=meta)
   raise ValueError(f"no {split!r} problem found for difficulty={d}")

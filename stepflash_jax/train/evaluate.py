@@ -56,17 +56,17 @@ def accuracy(config, variables, tok, examples, engine=None) -> dict:
 
 
 def _score(tok, chunks, outs) -> dict:
-  correct, truncated, by_family = [], [], {}
+  correct, truncated, groups = [], [], {}  # groups: per family and per family and difficulty
   for chunk, out in zip(chunks, outs):
     resp, trunc = np.asarray(out["response"]), np.asarray(out["truncated"])
     for b, ex in enumerate(chunk):
       ok = tasks.check(ex, tok.decode(resp[b], stop_at_eos=True))
       correct.append(ok)
       truncated.append(bool(trunc[b]))
-      by_family.setdefault(ex["family"], []).append(ok)
-      by_family.setdefault(f"{ex['family']}_d{ex['difficulty']}", []).append(ok)
+      groups.setdefault(ex["family"], []).append(ok)
+      groups.setdefault(f"{ex['family']}_d{ex['difficulty']}", []).append(ok)
   out = {"accuracy": float(np.mean(correct)), "truncated": float(np.mean(truncated))}
-  out.update({f"accuracy_{f}": float(np.mean(v)) for f, v in sorted(by_family.items())})
+  out.update({f"accuracy_{f}": float(np.mean(v)) for f, v in sorted(groups.items())})
   return out
 
 
