@@ -59,6 +59,10 @@ def main(argv):
   config = _CONFIG.value
   try:
     validate_run_config(config, num_devices=jax.device_count())
+    if config.job == "rl":
+      from stepflash_jax.rl.reward_training import check_config
+
+      check_config(config)
   except ValueError as e:
     sys.exit(f"error: {e}")
   workdir = _WORKDIR.value or default_workdir(config_flags.get_config_filename(flags.FLAGS["config"]))

@@ -138,6 +138,11 @@ def test_plot_metrics_png(tmp_path):
   assert plot_metrics(recs, ["loss"], tmp_path / "one.png") == ["loss"]
   assert (tmp_path / "one.png").read_bytes()[:8] == PNG_MAGIC
   assert plot_metrics(recs, ["nope"], tmp_path / "none.png") == []
+  # a tuple of keys shares one panel (e.g. a proxy reward and the gold score), present if any of them is
+  assert plot_metrics(recs, [("loss", "kl"), ("nope", "kl"), ("nope", "none")], tmp_path / "pair.png") == [
+    ("loss", "kl"),
+    ("nope", "kl"),
+  ]
   assert (tmp_path / "none.png").read_bytes()[:8] == PNG_MAGIC
 
 

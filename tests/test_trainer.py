@@ -339,3 +339,5 @@ def test_rl_resume_equals_uninterrupted(tmp_path):
     assert ra[s]["staleness"] == rb[s]["staleness"] == min(s - 1, 1)
     for k in ("reward", "actor_loss", "actor_grad_norm", "critic_loss", "kl", "entropy", "value_mean", "kept_frac"):
       assert ra[s][k] == rb[s][k], (s, k, ra[s][k], rb[s][k])
+    assert "gold" not in ra[s]  # rule-checked tasks have no hidden gold score
+    assert ra[s]["reward_zeroed/empty"] == rb[s]["reward_zeroed/empty"] and 0 <= ra[s]["reward_zeroed/empty"] <= 1

@@ -35,6 +35,7 @@ from stepflash_jax.data import prompt_dataset
 from stepflash_jax.rl.batches import minibatches, repeat_prompts, sequences
 from stepflash_jax.rl.critic import critic_from_actor
 from stepflash_jax.rl.programs import Programs, kl_coef_at
+from stepflash_jax.rl import reward_training
 from stepflash_jax.rl.rewards import score_batch
 from stepflash_jax.rl.rollouts import RolloutQueue
 from stepflash_jax.sampling import RolloutEngine
@@ -47,6 +48,7 @@ from stepflash_jax.train.step import due, frozen_mask, make_optimizer, warmup_co
 
 def run(config, workdir: str, log=print):
   """The main job: SFT (or reuse its checkpoint) -> held-out eval -> RL -> eval, summary, plots."""
+  reward_training.check_config(config)
   mesh, rules = parallel.make_mesh(config.mesh), parallel.rules(config)
   with parallel.use_mesh(mesh, rules):
     return _run(config, workdir, log, mesh, rules)
@@ -98,6 +100,14 @@ def _run(config, workdir, log, mesh, rules):
   P = config.data.max_prompt_len
   eval_set = evaluate.heldout_examples(config)
   log(f"rl: SFT held-out accuracy {acc0['accuracy']:.3f}")
+  reward = reward_training.reward_for(config, workdir, ref, tok, mesh, rules, log)  # learned ones trained here
+  sft_gold = evaluate.sampled_gold(config, ref, tok, eval_set)  # None unless the tasks have a gold scorer
+  acc0 = {**acc0, **evaluate.gold_metrics(sft_gold, sft_gold)}
+
+  def held_out(variables):  # greedy accuracy (+ the gold score and win rate against the SFT policy)
+    acc = evaluate.accuracy(config, variables, tok, eval_set)
+    return {**acc, **evaluate.gold_metrics(evaluate.sampled_gold(config, variables, tok, eval_set), sft_gold)}
+
   state, actor_tx, critic_tx = init_state(config, ref, args, mesh, rules)
   mixture = config.data.mixture
   data = iter(
@@ -131,7 +141,9 @@ def _run(config, workdir, log, mesh, rules):
     keys=["reward", "accuracy", "actor_grad_norm", "critic_loss", "kept_frac", "confidence_rollout"],
   )
   acc = acc0
-  ctx = types.SimpleNamespace(config=config, fns=fns, ref=ref, tok=tok, mesh=mesh, rules=rules, start=start)
+  ctx = types.SimpleNamespace(
+    config=config, fns=fns, ref=ref, tok=tok, mesh=mesh, rules=rules, start=start, reward=reward
+  )
   try:
     for step in range(start, rc.steps):
       t0, clock = time.time(), StageClock()
@@ -144,7 +156,7 @@ def _run(config, workdir, log, mesh, rules):
       if metrics["skipped"]:
         log(f"rl: generation {step + 1}: {int(metrics['skipped'])} non-finite update(s) skipped")
       if due(step + 1, rc.eval_every, rc.steps):
-        acc = evaluate.accuracy(config, actor_vars(), tok, eval_set)
+        acc = held_out(actor_vars())
         metrics.update({f"eval/{k}": v for k, v in acc.items()})
         clock.stop("eval")
         log(f"rl: generation {step + 1}: held-out accuracy {acc['accuracy']:.3f} (SFT {acc0['accuracy']:.3f})")
@@ -160,7 +172,7 @@ def _run(config, workdir, log, mesh, rules):
   writer.close()
   ckpt.wait()
   if start >= rc.steps:
-    acc = evaluate.accuracy(config, actor_vars(), tok, eval_set)
+    acc = held_out(actor_vars())
   return finish(config, workdir, acc0, acc, log)
 
 
@@ -217,7 +229,8 @@ def train_generation(ctx, state, step, prompts, gen, clock):
     rc.router_replay == "auto" and float(gen["routing_confidence"]) < rc.replay_threshold
   )
   texts = [ctx.tok.decode(r, stop_at_eos=True) for r in batch["response"]]
-  scored = score_batch(rc.reward, prompts["examples"], texts, np.asarray(gen["truncated"]))
+  filters = tuple(rc.get("reward_filters", ()))
+  scored = score_batch(ctx.reward, prompts["examples"], texts, np.asarray(gen["truncated"]), filters=filters)
   clock.stop("reward")
   scores = score_generation(fns, state, ctx.ref, batch, scored, rc, ctx.mesh, ctx.rules, replay)
   clock.stop("score")
@@ -307,6 +320,10 @@ def generation_metrics(batch, gen, scored, scores, am, cm) -> dict:
     advantage_mean=float(scores["adv"].sum() / max(n_tok, 1)),
     skipped=float(sum(m["skipped"] for m in am) + sum(m["skipped"] for m in cm)),
   )
+  if np.isfinite(scored["gold"]).any():  # tasks with a hidden gold scorer (the reward may be a learned proxy)
+    metrics["gold"] = float(np.nanmean(scored["gold"]))
+  # samples whose reward was forced to 0 (empty, a filter, unparsed by the judge, non-finite): fractions
+  metrics.update({f"reward_zeroed/{k}": float(np.mean(v)) for k, v in scored["zeroed"].items()})
   # per MoE layer: Sigma_k of the rollout engine and of the training engine's pass over the same response tokens
   metrics.update({f"confidence_rollout/{k}": float(v) for k, v in gen["routing_confidence_layers"].items()})
   metrics.update({f"confidence_score/{k}": float(v) for k, v in conf.items()})
@@ -329,9 +346,11 @@ def finish(config, workdir, acc0, acc, log):
   plot_metrics(
     jsonl,
     [
-      "reward",
+      ("reward", "gold"),  # the proxy and the hidden gold score (preference runs: over-optimisation shows here)
       "accuracy",
       "eval/accuracy",
+      ("eval/gold", "eval/win_rate_vs_sft"),
+      "response_tokens",
       "actor_grad_norm",
       "critic_loss",
       "kept_frac",
@@ -359,6 +378,11 @@ def finish(config, workdir, acc0, acc, log):
     "accuracy_before": acc0["accuracy"],
     "accuracy_after": acc["accuracy"],
     "gain_points": 100 * (acc["accuracy"] - acc0["accuracy"]),
+    **(
+      {"gold_before": acc0["gold"], "gold_after": acc["gold"], "win_rate_vs_sft": acc["win_rate_vs_sft"]}
+      if "gold" in acc
+      else {}
+    ),
     "train_reward_first10": float(np.mean([r["reward"] for r in rows[:10]])) if rows else float("nan"),
     "train_reward_last10": float(np.mean([r["reward"] for r in rows[-10:]])) if rows else float("nan"),
     "actor_grad_norm_mean": float(gn.mean()) if gn.size else float("nan"),

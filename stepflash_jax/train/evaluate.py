@@ -26,6 +26,28 @@ def heldout_examples(config) -> list:
   return [ds[i] for i in range(config.eval.num_examples)]
 
 
+def eval_engine(config, tok, temperature: float) -> RolloutEngine:
+  """The eval engine: eval.dtype numerics, eval.max_new_tokens; the sampling settings are traced inputs, so engines
+  differing only in temperature share one compiled program."""
+  e = config.eval
+  return RolloutEngine(
+    config.model,
+    max_prompt_len=config.data.max_prompt_len,
+    max_new_tokens=e.max_new_tokens,
+    eos_id=tok.eos_id,
+    pad_id=tok.pad_id,
+    dtype=e.get("dtype", "float32"),
+    temperature=temperature,
+  )
+
+
+def padded_prompts(config, tok, chunk) -> dict:
+  """A chunk of <= eval.batch_size examples as left-padded prompts of exactly eval.batch_size rows (the last
+  example repeated): one batch shape, one compilation."""
+  full = list(chunk) + [chunk[-1]] * (config.eval.batch_size - len(chunk))
+  return pad_prompts([tok.format_prompt(x["prompt"]) for x in full], config.data.max_prompt_len, pad_id=tok.pad_id)
+
+
 def accuracy(config, variables, tok, examples, engine=None) -> dict:
   """Greedy (temperature 0) completions of `examples` in batches of eval.batch_size, in the engine numerics
   eval.dtype, checked by their task's rule checker. An engine with the rollout's dtype, prompt width, length limit
@@ -33,26 +55,41 @@ def accuracy(config, variables, tok, examples, engine=None) -> dict:
   e = config.eval
   if "agent" in config:
     return _agent_accuracy(config, variables, tok, examples)
-  engine = engine or RolloutEngine(
-    config.model,
-    max_prompt_len=config.data.max_prompt_len,
-    max_new_tokens=e.max_new_tokens,
-    eos_id=tok.eos_id,
-    pad_id=tok.pad_id,
-    dtype=e.get("dtype", "float32"),
-    temperature=0.0,
-  )
+  engine = engine or eval_engine(config, tok, temperature=0.0)
   chunks = [examples[i : i + e.batch_size] for i in range(0, len(examples), e.batch_size)]
 
-  def greedy(chunk):  # fixed batch shape (the last chunk padded with copies): one compilation
-    chunk = chunk + [chunk[-1]] * (e.batch_size - len(chunk))
-    p = pad_prompts([tok.format_prompt(x["prompt"]) for x in chunk], config.data.max_prompt_len, pad_id=tok.pad_id)
+  def greedy(chunk):
+    p = padded_prompts(config, tok, chunk)
     return engine.generate(variables, p["tokens"], p["lengths"], jax.random.key(0))
 
   # the first batch alone (it may compile the program), then two at a time: on a small CPU much of a decode step
   # runs on one thread (parallel/threads.py)
   outs = [greedy(chunks[0])] + parallel.thread_map(greedy, chunks[1:])
   return _score(tok, chunks, outs)
+
+
+def sampled_gold(config, variables, tok, examples, seed: int = 0):
+  """The hidden gold score (tasks/pref.py) of one sample per example at the rollout temperature, in the eval
+  engine's shapes and numerics: float [N], or None when a family of `examples` has no gold scorer. A fixed key:
+  two policies are compared on common random numbers."""
+  if "agent" in config or not all(hasattr(tasks.get_task(x["family"]), "gold") for x in examples):
+    return None
+  engine, n, gold = eval_engine(config, tok, config.rl.temperature), config.eval.batch_size, []
+  for i in range(0, len(examples), n):
+    chunk = examples[i : i + n]
+    p = padded_prompts(config, tok, chunk)
+    out = engine.generate(variables, p["tokens"], p["lengths"], jax.random.fold_in(jax.random.key(seed), i))
+    resp = np.asarray(out["response"])
+    gold += [tasks.get_task(x["family"]).gold(x, tok.decode(resp[b], stop_at_eos=True)) for b, x in enumerate(chunk)]
+  return np.asarray(gold, np.float64)
+
+
+def gold_metrics(gold, baseline) -> dict:
+  """{"gold": mean gold score, "win_rate_vs_sft": P(gold > baseline's) + P(tie) / 2 per example} ({} if None)."""
+  if gold is None or baseline is None:
+    return {}
+  win = np.mean((gold > baseline) + 0.5 * (gold == baseline))
+  return {"gold": float(gold.mean()), "win_rate_vs_sft": float(win)}
 
 
 def _score(tok, chunks, outs) -> dict:
@@ -80,8 +117,7 @@ def _agent_accuracy(config, variables, tok, examples) -> dict:
     outs = []
     for chunk in chunks:  # fixed batch shape (the last chunk padded with copies)
       full = chunk + [chunk[-1]] * (e.batch_size - len(chunk))
-      p = pad_prompts([tok.format_prompt(x["prompt"]) for x in full], config.data.max_prompt_len, pad_id=tok.pad_id)
-      outs.append(agent.sample(variables, p, full, jax.random.key(0)))
+      outs.append(agent.sample(variables, padded_prompts(config, tok, chunk), full, jax.random.key(0)))
   finally:
     agent.close()
   return _score(tok, chunks, outs)

@@ -244,7 +244,8 @@ def _as_runs(runs) -> list[tuple[str | None, list[dict]]]:
 
 
 def plot_metrics(runs, keys: Sequence[str], out_png, title: str | None = None, ncols: int = 3) -> list[str]:
-  """One subplot per key (x = step), runs overlaid with labels; keys absent everywhere skipped.
+  """One subplot per key (x = step), runs overlaid with labels; keys absent everywhere skipped. A tuple of keys
+  shares one subplot (e.g. a proxy reward and the gold score).
 
   runs: a JSONL path, a list of records, a list of paths / record lists, or {label: path|records}.
   Uses matplotlib's Agg canvas directly (no pyplot, global backend untouched). Returns the keys
@@ -254,7 +255,8 @@ def plot_metrics(runs, keys: Sequence[str], out_png, title: str | None = None, n
   from matplotlib.figure import Figure
 
   runs = _as_runs(runs)
-  present = [k for k in keys if any(k in r for _, recs in runs for r in recs)]
+  group = lambda k: tuple(k) if isinstance(k, (tuple, list)) else (k,)
+  present = [k for k in keys if any(s in r for s in group(k) for _, recs in runs for r in recs)]
   n = max(len(present), 1)
   nc = min(ncols, n)
   nr = math.ceil(n / nc)
@@ -265,14 +267,16 @@ def plot_metrics(runs, keys: Sequence[str], out_png, title: str | None = None, n
   for i, k in enumerate(present):
     ax = fig.add_subplot(nr, nc, i + 1)
     for label, recs in runs:
-      pts = sorted((r["step"], r[k]) for r in recs if k in r and "step" in r and r[k] is not None)
-      if pts:
-        xs, ys = zip(*pts)
-        ax.plot(xs, ys, label=label, lw=1.2, marker="." if len(xs) < 30 else None)
-    ax.set_title(k, fontsize=10)
+      for sub in group(k):
+        pts = sorted((r["step"], r[sub]) for r in recs if sub in r and "step" in r and r[sub] is not None)
+        if pts:
+          xs, ys = zip(*pts)
+          name = sub if label is None or len(runs) == 1 else f"{label} {sub}" if len(group(k)) > 1 else label
+          ax.plot(xs, ys, label=name, lw=1.2, marker="." if len(xs) < 30 else None)
+    ax.set_title(" / ".join(group(k)), fontsize=10)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
-    if any(lbl is not None for lbl, _ in runs) and len(runs) > 1:
+    if len(runs) > 1 or len(group(k)) > 1:
       ax.legend(fontsize=8)
   if title:
     fig.suptitle(title)

@@ -16,7 +16,7 @@ import random
 from types import ModuleType
 from typing import Any, Mapping, Sequence
 
-from stepflash_jax.data.tasks import arithmetic, base, countdown, longmul
+from stepflash_jax.data.tasks import arithmetic, base, countdown, longmul, pref
 from stepflash_jax.data.tasks.base import SPLITS, TEST_FRACTION, extract_answer, split_of
 
 _TASKS: dict[str, Any] = {}
@@ -47,6 +47,7 @@ def families() -> list[str]:
 register_task(arithmetic)
 register_task(countdown)
 register_task(longmul)
+register_task(pref)
 
 
 def generate(family: str, seed: int, difficulty: int, split: str = "train", variant: Any = None) -> dict:
