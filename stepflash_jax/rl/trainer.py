@@ -101,13 +101,7 @@ def _run(config, workdir, log, mesh, rules):
   eval_set = evaluate.heldout_examples(config)
   log(f"rl: SFT held-out accuracy {acc0['accuracy']:.3f}")
   reward = reward_training.reward_for(config, workdir, ref, tok, mesh, rules, log)  # learned ones trained here
-  sft_gold = evaluate.sampled_gold(config, ref, tok, eval_set)  # None unless the tasks have a gold scorer
-  acc0 = {**acc0, **evaluate.gold_metrics(sft_gold, sft_gold)}
-
-  def held_out(variables):  # greedy accuracy (+ the gold score and win rate against the SFT policy)
-    acc = evaluate.accuracy(config, variables, tok, eval_set)
-    return {**acc, **evaluate.gold_metrics(evaluate.sampled_gold(config, variables, tok, eval_set), sft_gold)}
-
+  acc0, held_out = evaluator(config, tok, eval_set, ref, acc0)
   state, actor_tx, critic_tx = init_state(config, ref, args, mesh, rules)
   mixture = config.data.mixture
   data = iter(
@@ -174,6 +168,18 @@ def _run(config, workdir, log, mesh, rules):
   if start >= rc.steps:
     acc = held_out(actor_vars())
   return finish(config, workdir, acc0, acc, log)
+
+
+def evaluator(config, tok, eval_set, ref, acc0):
+  """(acc0 + the SFT policy's gold metrics, held_out(variables) -> greedy accuracy + the gold score and the win
+  rate against the SFT policy); the gold metrics only for tasks with a hidden gold scorer (train/evaluate.py)."""
+  sft_gold = evaluate.sampled_gold(config, ref, tok, eval_set)
+
+  def held_out(variables):
+    acc = evaluate.accuracy(config, variables, tok, eval_set)
+    return {**acc, **evaluate.gold_metrics(evaluate.sampled_gold(config, variables, tok, eval_set), sft_gold)}
+
+  return {**acc0, **evaluate.gold_metrics(sft_gold, sft_gold)}, held_out
 
 
 def sampler(config, tok, mesh, rules):
