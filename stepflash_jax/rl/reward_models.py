@@ -116,11 +116,16 @@ def _programs(args):
   }
 
 
+def sigmoid(x):
+  """1 / (1 + exp(-x)) in float64 (NumPy: host-side rewards and labels)."""
+  return 1.0 / (1.0 + np.exp(-np.asarray(x, np.float64)))
+
+
 def win_rate(confidence, length, ref_length, length_penalty: float):
   """sigmoid(logit(c) - length_penalty * max(0, length - ref_length) / ref_length), all float arrays [N]."""
   c = np.clip(np.asarray(confidence, np.float64), EPS, 1 - EPS)
   excess = np.maximum(0.0, np.asarray(length, np.float64) - ref_length) / np.maximum(ref_length, 1)
-  return 1.0 / (1.0 + np.exp(-(np.log(c / (1 - c)) - length_penalty * excess)))
+  return sigmoid(np.log(c / (1 - c)) - length_penalty * excess)
 
 
 class LearnedReward:
@@ -163,7 +168,7 @@ class LearnedReward:
     scores = self._forward(cand + list(refs.values()))
     ref_score = dict(zip(refs, scores[len(cand) :]))
     r_ref = np.array([ref_score[(p, r)] for p, r in zip(prompts, references)], np.float64)
-    conf = 1.0 / (1.0 + np.exp(-(scores[: len(cand)].astype(np.float64) - r_ref)))
+    conf = sigmoid(scores[: len(cand)].astype(np.float64) - r_ref)
     return conf, np.array([len(r) > self.max_len for r in cand])
 
   def score_batch(self, examples, completions) -> dict:

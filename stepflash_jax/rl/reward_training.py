@@ -9,8 +9,8 @@ reward (configs/preference.py).
    (<workdir>/preferences/{train,test}.jsonl, one pair per line) and reused when present.
 2. Training (reward_models.bt_loss / genrm_loss): Muon, warmup + cosine, batches drawn by a generator seeded with
    (seed, step), so a run resumed from its last checkpoint (every train.checkpoint_every steps) draws the same
-   batches; checkpoints and metrics in <workdir>/reward_<kind>/; a finished model is restored, not retrained. The GenRM sees each pair in a random orientation (either answer as the
-   reference).
+   batches; checkpoints and metrics in <workdir>/reward_<kind>/; a finished model is restored, not retrained.
+   The GenRM sees each pair in a random orientation (either answer as the reference).
 3. Held-out pairwise accuracy against the gold order (pairs with equal gold left out), beside the ceiling: the
    accuracy of the noisy labels themselves. For both models the pair is read symmetrically,
    P(b > a) = (c(b | ref a) + 1 - c(a | ref b)) / 2 (for BT this is exactly r_b > r_a).
@@ -28,7 +28,7 @@ import numpy as np
 
 from stepflash_jax import model as model_lib
 from stepflash_jax import parallel
-from stepflash_jax.data import pad_prompts, tasks
+from stepflash_jax.data import tasks
 from stepflash_jax.data.pipeline import example_dataset
 from stepflash_jax.data.tokenizer import symbols
 from stepflash_jax.parallel.mesh import config_error
@@ -38,6 +38,7 @@ from stepflash_jax.rl.critic import critic_from_actor
 from stepflash_jax.sampling import RolloutEngine
 from stepflash_jax.train import state as state_lib
 from stepflash_jax.train.checkpoint import Checkpointer
+from stepflash_jax.train.evaluate import padded_prompts
 from stepflash_jax.train.metrics import MetricsWriter, Progress, read_jsonl
 from stepflash_jax.train.step import due, frozen_mask, guarded_update, lr_schedule, make_optimizer
 
@@ -59,7 +60,7 @@ def bt_label(gold_a, gold_b, tau: float, rng) -> np.ndarray:
   if tau == 0:
     p = np.where(gold_b > gold_a, 1.0, np.where(gold_b < gold_a, 0.0, 0.5))
   else:
-    p = 1.0 / (1.0 + np.exp(-(gold_b - gold_a) / tau))
+    p = rm_lib.sigmoid((gold_b - gold_a) / tau)
   return (rng.random(p.shape) < p).astype(np.int32)
 
 
@@ -83,8 +84,7 @@ def sample_pairs(config, variables, tok, split: str, num_prompts: int, seed: int
   texts = []
   for i in range(0, len(rows), n):
     chunk = rows[i : i + n]
-    full = chunk + [chunk[-1]] * (n - len(chunk))  # one compiled shape
-    p = pad_prompts([tok.format_prompt(x["prompt"]) for x in full], config.data.max_prompt_len, pad_id=tok.pad_id)
+    p = padded_prompts(config, tok, chunk, rows=n)  # one compiled shape
     out = engine.generate(variables, p["tokens"], p["lengths"], jax.random.fold_in(jax.random.key(seed), i))
     texts += [tok.decode(t, stop_at_eos=True) for t in np.asarray(out["response"])[: len(chunk)]]
   gold = np.array([tasks.get_task(ex["family"]).gold(ex, t) for ex, t in zip(rows, texts)]).reshape(-1, 2)
@@ -118,15 +118,20 @@ def pairs(config, variables, tok, workdir: str, log=print) -> dict:
   return out
 
 
+def decisive(records) -> list[dict]:
+  """The pairs whose gold scores differ: the ones a gold order exists for."""
+  return [r for r in records if r["gold_a"] != r["gold_b"]]
+
+
 def ceiling(records) -> float:
   """Accuracy of the noisy labels against the gold order (pairs with equal gold left out)."""
-  rec = [r for r in records if r["gold_a"] != r["gold_b"]]
+  rec = decisive(records)
   return float(np.mean([(r["label"] == 1) == (r["gold_b"] > r["gold_a"]) for r in rec])) if rec else float("nan")
 
 
 def heldout_accuracy(reward: rm_lib.LearnedReward, records) -> float:
   """Pairwise accuracy against the gold order on pairs with unequal gold, P(b > a) read symmetrically."""
-  rec = [r for r in records if r["gold_a"] != r["gold_b"]]
+  rec = decisive(records)
   if not rec:
     return float("nan")
   prompts = [r["example"]["prompt"] for r in rec]

@@ -71,10 +71,14 @@ def register_reward(name: str, *, overwrite: bool = False) -> Callable[[RewardFn
   return _register(_REWARDS, "reward", name, overwrite)
 
 
+def _lookup(registry: dict, kind: str, name: str) -> Callable:
+  if name not in registry:
+    raise ValueError(f"unknown {kind} {name!r}; registered: {sorted(registry)}")
+  return registry[name]
+
+
 def get_reward_fn(name: str) -> RewardFn:
-  if name not in _REWARDS:
-    raise ValueError(f"unknown reward {name!r}; registered: {sorted(_REWARDS)}")
-  return _REWARDS[name]
+  return _lookup(_REWARDS, "reward", name)
 
 
 def available_rewards() -> list[str]:
@@ -89,9 +93,7 @@ def register_filter(name: str, *, overwrite: bool = False) -> Callable[[FilterFn
 
 
 def get_filter(name: str) -> FilterFn:
-  if name not in _FILTERS:
-    raise ValueError(f"unknown filter {name!r}; registered: {sorted(_FILTERS)}")
-  return _FILTERS[name]
+  return _lookup(_FILTERS, "filter", name)
 
 
 def available_filters() -> list[str]:

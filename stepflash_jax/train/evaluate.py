@@ -41,10 +41,10 @@ def eval_engine(config, tok, temperature: float) -> RolloutEngine:
   )
 
 
-def padded_prompts(config, tok, chunk) -> dict:
-  """A chunk of <= eval.batch_size examples as left-padded prompts of exactly eval.batch_size rows (the last
-  example repeated): one batch shape, one compilation."""
-  full = list(chunk) + [chunk[-1]] * (config.eval.batch_size - len(chunk))
+def padded_prompts(config, tok, chunk, rows: int | None = None) -> dict:
+  """A chunk of <= `rows` (default eval.batch_size) examples as left-padded prompts of exactly `rows` rows (the
+  last example repeated): one batch shape, one compilation."""
+  full = list(chunk) + [chunk[-1]] * ((rows or config.eval.batch_size) - len(chunk))
   return pad_prompts([tok.format_prompt(x["prompt"]) for x in full], config.data.max_prompt_len, pad_id=tok.pad_id)
 
 
