@@ -39,6 +39,7 @@ def get_config(arg: str = ""):
   c.data.seq_len = 128  # a row holds ~2-3 documents of 40-70 tokens
   c.data.max_prompt_len = 32  # prompts are <= 24 tokens
   c.data.tokenizer_dir = ""  # "" = the package cache (~/.cache/stepflash_jax); trained on first use
+  c.data.jsonl = ""  # a user's prompt file (stepflash_jax/data/jsonl.py) instead of the mixture; configs/custom.py
 
   c.optim = ml_collections.ConfigDict()
   c.optim.lr = 3e-3  # toy model from scratch; the report's 1e-5 is for a pretrained 196B model

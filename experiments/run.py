@@ -54,10 +54,12 @@ def main(argv):
     from stepflash_jax.caches import enable_compile_cache
 
     enable_compile_cache(None if _COMPILE_CACHE.value == "default" else _COMPILE_CACHE.value)
+  from stepflash_jax.hf import resolve_model
   from stepflash_jax.train.validate import validate_run_config
 
   config = _CONFIG.value
   try:
+    resolve_model(config)  # model.hf_dir: the checkpoint's architecture
     validate_run_config(config, num_devices=jax.device_count())
     if config.job == "rl":
       from stepflash_jax.rl.reward_training import check_config

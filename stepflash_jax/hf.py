@@ -10,13 +10,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 
 import jax.numpy as jnp
-from safetensors import SafetensorError
+from flax import linen as nn
+from safetensors import SafetensorError, safe_open
 from safetensors.flax import load_file, save_file
 
 from stepflash_jax import config as config_lib
 from stepflash_jax import model as model_lib
+from stepflash_jax.data.hf_tokenizer import tokenizer_files
 
 # (our sub-path inside a decoder layer, HF suffix, number of leading batch axes, number of input axes or None=copy)
 _LAYER = [
@@ -139,6 +142,24 @@ def save_hf_checkpoint(cfg, variables, path: str, max_shard_bytes: int = 4 << 30
   os.rmdir(tmp)
 
 
+def export(cfg, variables, tok, directory: str) -> str:
+  """A checkpoint directory others can load: save_hf_checkpoint + the tokenizer's files (tokenizer.json and
+  tokenizer_config.json, or the SentencePiece tokenizer.model). Written next to `directory` and renamed into place:
+  a crash leaves the previous export or none, never half of one."""
+  directory = os.path.abspath(directory)
+  tmp, old = directory + ".tmp_export", directory + ".old_export"
+  for d in (tmp, old):
+    shutil.rmtree(d, ignore_errors=True)
+  save_hf_checkpoint(cfg, variables, tmp)
+  for name, src in tokenizer_files(tok).items():
+    shutil.copyfile(src, os.path.join(tmp, name))
+  if os.path.exists(directory):
+    os.replace(directory, old)
+  os.replace(tmp, directory)
+  shutil.rmtree(old, ignore_errors=True)
+  return directory
+
+
 def _read_json(fn: str) -> dict:
   """json.load with the file's path in the error (a truncated / malformed file)."""
   try:
@@ -168,6 +189,40 @@ def _read_tensors(path: str) -> dict:
   return tensors
 
 
+def _stored_dtype(path: str) -> str | None:
+  """The one dtype of the checkpoint's non-router tensors (read from the safetensors headers only), else None."""
+  dtypes = set()
+  for fn in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+    with safe_open(os.path.join(path, fn), framework="numpy") as f:
+      dtypes |= {str(f.get_slice(k).get_dtype()).lower() for k in f.keys() if "router" not in k and "gate.w" not in k}
+  names = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+  return names.get(dtypes.pop(), None) if len(dtypes) == 1 else None
+
+
+def resolve_model(config):
+  """With config.model.hf_dir set: config.model becomes the checkpoint's architecture (its config.json) and stored
+  param dtype, keeping the config's numerics and implementation switches (dtype, attention_impl, moe_impl,
+  scan_layers, remat, expert_parallel, context_full). Changes `config` in place and returns it; a no-op otherwise."""
+  hf_dir = config.model.get("hf_dir", "")
+  if not hf_dir:
+    return config
+  if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+    raise ValueError(
+      f"config field 'model.hf_dir': {hf_dir!r} has no config.json (a Hugging Face checkpoint directory)"
+    )
+  cfg_file = os.path.join(hf_dir, "config.json")
+  try:
+    model = config_lib.from_hf_config(_read_json(cfg_file))
+  except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+    raise ValueError(f"{cfg_file}: not a valid Step 3.5 Flash config ({type(e).__name__}: {e})") from e
+  for key in config_lib.IMPL_KEYS + ("init_std", "hf_dir"):
+    model[key] = config.model[key]
+  model.param_dtype = _stored_dtype(hf_dir) or config.model.param_dtype
+  with config.unlocked():
+    config.model = model
+  return config
+
+
 def load_hf_checkpoint(path: str, **config_overrides):
   """Directory with config.json + *.safetensors (single or sharded) -> (cfg, variables). A malformed config.json or
   an unreadable (e.g. truncated) safetensors file raises ValueError naming the file."""
@@ -183,7 +238,8 @@ def load_hf_checkpoint(path: str, **config_overrides):
     cfg.param_dtype = dtypes.pop()
   cfg.update(config_overrides)
   args = config_lib.model_args(cfg)
-  abstract = model_lib.abstract_variables(args)
+  with nn.logical_axis_rules(()):  # shapes only: no sharding constraints under a mesh (parallel.use_mesh)
+    abstract = model_lib.abstract_variables(args)
   entries = layout(args)
   expected = {hf for hf, *_ in entries}
   missing = sorted(expected - set(tensors))

@@ -5,11 +5,12 @@ from stepflash_jax.config.args import LayerSpec, ModelArgs, model_args, rope_inv
 from stepflash_jax.config.checks import EXPERT_PARALLEL, parse_expert_parallel, validate
 from stepflash_jax.config.defaults import FULL, IMPLEMENTATIONS, SWA, model_config
 from stepflash_jax.config.files import load_config_file
-from stepflash_jax.config.hf_config import from_hf_config, to_hf_config
+from stepflash_jax.config.hf_config import IMPL_KEYS, from_hf_config, to_hf_config
 
 __all__ = [
   "EXPERT_PARALLEL",
   "FULL",
+  "IMPL_KEYS",
   "IMPLEMENTATIONS",
   "LayerSpec",
   "ModelArgs",

@@ -65,6 +65,9 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
       # Expert parallelism under parallel.use_mesh: "none" (GSPMD decides) | "auto" | "gather" | "a2a" | "ragged",
       # optionally ":<capacity factor>" (see stepflash_jax/model/moe_parallel.py). No effect on one device.
       expert_parallel="none",
+      # A Hugging Face-layout checkpoint directory to start from (config.json + safetensors + tokenizer): its
+      # architecture replaces the fields above, the switches above stay the config's (hf.resolve_model).
+      hf_dir="",
     )
   )
   c.update(overrides)

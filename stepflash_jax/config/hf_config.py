@@ -69,12 +69,12 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
     rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
     max_position_embeddings=int(hf.get("max_position_embeddings", hf.get("max_seq_len", 262144))),
   )
-  c.update({k: v for k, v in (hf.get("stepflash_jax") or {}).items() if k in _IMPL_KEYS})
+  c.update({k: v for k, v in (hf.get("stepflash_jax") or {}).items() if k in IMPL_KEYS})
   validate(c)
   return c
 
 
-_IMPL_KEYS = ("dtype", "attention_impl", "moe_impl", "scan_layers", "remat", "expert_parallel", "context_full")
+IMPL_KEYS = ("dtype", "attention_impl", "moe_impl", "scan_layers", "remat", "expert_parallel", "context_full")
 
 
 def to_hf_config(c) -> dict:
@@ -126,5 +126,5 @@ def to_hf_config(c) -> dict:
     "max_seq_len": c.max_position_embeddings,
     "torch_dtype": "bfloat16",
     # Our implementation switches (ignored by other readers), so that load(save(x)) rebuilds the same tree.
-    "stepflash_jax": {k: c[k] for k in _IMPL_KEYS if k in c},
+    "stepflash_jax": {k: c[k] for k in IMPL_KEYS if k in c},
   }

@@ -10,8 +10,8 @@ SFT (sft_dataset): each example -> ids x [T] and loss mask m [T]; form="chat" (S
 [bos] prompt "\n" answer [eos], m = 1 everywhere. One document = (inputs x[:-1], targets x[1:], loss_mask m[1:]),
 so a target never belongs to another document.
 Documents are packed by grain's FirstFitPackIterDataset into rows of seq_len tokens and batched:
-    tokens      [B, L] int32    input ids, pad_id (0) on padding
-    targets     [B, L] int32    next token of the same document, pad_id on padding
+    tokens      [B, L] int32    input ids, 0 on padding (whatever the tokenizer's pad id: segment_ids mask it)
+    targets     [B, L] int32    next token of the same document, 0 on padding
     loss_mask   [B, L] float32  1 where the target is trained on (chat: answer + eos; text: every token), 0 on padding
     segment_ids [B, L] int32    1..n for the n documents of a row, 0 on padding
     positions   [B, L] int32    0, 1, ... restarting at every document, 0 on padding
@@ -57,15 +57,22 @@ def example_dataset(
   num_examples: int = DEFAULT_NUM_EXAMPLES,
   num_epochs: int | None = None,
   shuffle: bool = True,
+  examples: Sequence[dict] | None = None,
 ) -> grain.MapDataset:
   """MapDataset of example dicts. data_seed (default = seed) fixes the problems, seed (0..2**32-1) the order.
-  num_epochs None = infinite."""
+  num_epochs None = infinite. `examples` (e.g. a user's JSONL file, data/jsonl.py) replaces the generated
+  problems: the mixture, split and num_examples are then unused."""
   tasks.base.check_split(split)
   _check_positive("num_examples", num_examples)
   if num_epochs is not None:
     _check_positive("num_epochs", num_epochs)
   if not 0 <= seed < 2**32:
     raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+  if examples is not None:
+    if not examples:
+      raise ValueError("examples must be a non-empty list of example dicts")
+    ds = grain.MapDataset.source(list(examples))
+    return (ds.shuffle(seed) if shuffle else ds).repeat(num_epochs)
   mix = tasks.parse_mixture(mixture)
   data_seed = seed if data_seed is None else data_seed
   ds = grain.MapDataset.range(num_examples)
@@ -124,6 +131,7 @@ def sft_dataset(
   drop_remainder: bool = True,
   num_threads: int = 0,
   form: str = "chat",
+  examples: Sequence[dict] | None = None,
 ) -> grain.IterDataset:
   """IterDataset of packed SFT batches (dict format in the module docstring); form "chat" or "text".
 
@@ -133,8 +141,6 @@ def sft_dataset(
   batch_size = _check_positive("batch_size", batch_size)
   seq_len = _check_positive("seq_len", seq_len)
   bins = _check_positive("num_packing_bins", num_packing_bins or 2 * batch_size)
-  if tokenizer.pad_id != 0:
-    raise ValueError(f"tokenizer.pad_id must be 0 (padding of packed rows), got {tokenizer.pad_id}")
   if form not in FORMS:
     raise ValueError(f"form must be one of {FORMS}, got {form!r}")
   ds = example_dataset(
@@ -145,6 +151,7 @@ def sft_dataset(
     num_examples=num_examples,
     num_epochs=num_epochs,
     shuffle=shuffle,
+    examples=examples,
   )
   docs = ds.map(lambda ex: document(tokenizer, ex, seq_len, form)).to_iter_dataset(_read_options(num_threads))
   return pack_and_batch(
@@ -215,6 +222,7 @@ def prompt_dataset(
   pad_side: str = "left",
   drop_remainder: bool = True,
   num_threads: int = 0,
+  examples: Sequence[dict] | None = None,
 ) -> grain.IterDataset:
   """IterDataset of RL prompt batches (dict format in the module docstring). For a fixed held-out eval set use
   split="test", num_examples=N, num_epochs=1, shuffle=False, drop_remainder=False."""
@@ -230,6 +238,7 @@ def prompt_dataset(
     num_examples=num_examples,
     num_epochs=num_epochs,
     shuffle=shuffle,
+    examples=examples,
   )
 
   def collate(examples: Sequence[dict]) -> dict:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import tempfile
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -28,6 +27,7 @@ import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
 from stepflash_jax.caches import cache_dir
+from stepflash_jax.files import atomic_write
 from stepflash_jax.data import tasks
 
 USER, ASSISTANT = "<|user|>", "<|assistant|>"
@@ -111,12 +111,7 @@ def train_tokenizer(
   for k in range(vocab_size - len(model.pieces)):  # fill up to exactly vocab_size with unused control pieces
     model.pieces.add(piece=f"<|reserved_{k}|>", score=0.0, type=sp_pb2.ModelProto.SentencePiece.CONTROL)
   proto = model.SerializeToString(deterministic=True)
-  os.makedirs(os.path.dirname(os.path.abspath(model_path)), exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(model_path)), suffix=".tmp")
-  with os.fdopen(fd, "wb") as f:
-    f.write(proto)
-  os.replace(tmp, model_path)
-  return model_path
+  return atomic_write(model_path, proto)
 
 
 def model_filename(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +36,7 @@ from stepflash_jax.rl import rewards
 from stepflash_jax.rl.critic import critic_from_actor
 from stepflash_jax.sampling import RolloutEngine
 from stepflash_jax.train import state as state_lib
+from stepflash_jax.files import atomic_write
 from stepflash_jax.train.checkpoint import Checkpointer
 from stepflash_jax.train.evaluate import padded_prompts
 from stepflash_jax.train.metrics import MetricsWriter, Progress, read_jsonl
@@ -44,13 +44,8 @@ from stepflash_jax.train.step import due, frozen_mask, guarded_update, lr_schedu
 
 
 def write_jsonl(path: str, records) -> None:
-  """Atomically (a temporary file renamed into place)."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-  with os.fdopen(fd, "w") as f:
-    for r in records:
-      f.write(json.dumps(r) + "\n")
-  os.replace(tmp, path)
+  """Atomically (files.atomic_write)."""
+  atomic_write(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def bt_label(gold_a, gold_b, tau: float, rng) -> np.ndarray:

@@ -31,7 +31,9 @@ import numpy as np
 from stepflash_jax import model as model_lib
 from stepflash_jax import parallel
 from stepflash_jax.agents.rollout import Agent, tool_metrics
-from stepflash_jax.data import prompt_dataset
+from stepflash_jax import hf
+from stepflash_jax.data import jsonl, prompt_dataset
+from stepflash_jax.files import atomic_write
 from stepflash_jax.rl.batches import minibatches, repeat_prompts, sequences
 from stepflash_jax.rl.critic import critic_from_actor
 from stepflash_jax.rl.programs import Programs, kl_coef_at
@@ -48,6 +50,7 @@ from stepflash_jax.train.step import due, frozen_mask, make_optimizer, warmup_co
 
 def run(config, workdir: str, log=print):
   """The main job: SFT (or reuse its checkpoint) -> held-out eval -> RL -> eval, summary, plots."""
+  config = hf.resolve_model(config)  # model.hf_dir: the checkpoint's architecture
   reward_training.check_config(config)
   mesh, rules = parallel.make_mesh(config.mesh), parallel.rules(config)
   with parallel.use_mesh(mesh, rules):
@@ -98,14 +101,20 @@ def _run(config, workdir, log, mesh, rules):
   ref = {"params": ref["params"], "router": ref["router"]}
   args = model_lib.as_args(config.model)
   P = config.data.max_prompt_len
-  eval_set = evaluate.heldout_examples(config)
+  eval_set = evaluate.heldout_examples(config, tok)
   log(f"rl: SFT held-out accuracy {acc0['accuracy']:.3f}")
   reward = reward_training.reward_for(config, workdir, ref, tok, mesh, rules, log)  # learned ones trained here
   acc0, held_out = evaluator(config, tok, eval_set, ref, acc0)
   state, actor_tx, critic_tx = init_state(config, ref, args, mesh, rules)
-  mixture = config.data.mixture
   data = iter(
-    prompt_dataset(tok, batch_size=rc.prompts_per_step, max_prompt_len=P, mixture=mixture, seed=config.seed + 1)
+    prompt_dataset(
+      tok,
+      batch_size=rc.prompts_per_step,
+      max_prompt_len=P,
+      mixture=config.data.mixture,
+      seed=config.seed + 1,
+      examples=jsonl.config_examples(config, tok, "train", log),
+    )
   )
   rl_dir = os.path.join(workdir, "rl")
   ckpt = Checkpointer(os.path.join(rl_dir, "checkpoints"), max_to_keep=config.train.keep_checkpoints)
@@ -167,6 +176,7 @@ def _run(config, workdir, log, mesh, rules):
   ckpt.wait()
   if start >= rc.steps:
     acc = held_out(actor_vars())
+  hf.export(config.model, actor_vars(), tok, os.path.join(workdir, "hf"))  # experiments/generate.py reads it
   return finish(config, workdir, acc0, acc, log)
 
 
@@ -348,9 +358,9 @@ def length_quantiles(batch):
 
 def finish(config, workdir, acc0, acc, log):
   rl_dir = os.path.join(workdir, "rl")
-  jsonl = os.path.join(rl_dir, "metrics_rl.jsonl")
+  metrics_file = os.path.join(rl_dir, "metrics_rl.jsonl")
   plot_metrics(
-    jsonl,
+    metrics_file,
     [
       ("reward", "gold"),  # the proxy and the hidden gold score (preference runs: over-optimisation shows here)
       "accuracy",
@@ -376,7 +386,7 @@ def finish(config, workdir, acc0, acc, log):
     os.path.join(workdir, "rl.png"),
     title=f"RL ({config.rl.objective})",
   )
-  rows = [r for r in read_jsonl(jsonl) if "reward" in r]
+  rows = [r for r in read_jsonl(metrics_file) if "reward" in r]
   gn = np.array([r["actor_grad_norm"] for r in rows if "actor_grad_norm" in r])
   summary = {
     "objective": config.rl.objective,
@@ -395,10 +405,8 @@ def finish(config, workdir, acc0, acc, log):
     "actor_grad_norm_std": float(gn.std()) if gn.size else float("nan"),
   }
   table = summary_table([summary], list(summary))
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=1)
-  with open(os.path.join(workdir, "summary.md"), "w") as f:
-    f.write(table + "\n")
+  atomic_write(os.path.join(workdir, "summary.json"), json.dumps(summary, indent=1))
+  atomic_write(os.path.join(workdir, "summary.md"), table + "\n")
   log(table)
   log(
     f"plots: {os.path.join(workdir, 'sft', 'sft.png')}, {os.path.join(workdir, 'rl.png')}; "

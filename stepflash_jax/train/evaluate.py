@@ -8,13 +8,17 @@ import jax
 
 from stepflash_jax import parallel
 from stepflash_jax.agents.rollout import Agent
-from stepflash_jax.data import pad_prompts, tasks
+from stepflash_jax.data import jsonl, pad_prompts, tasks
 from stepflash_jax.data.pipeline import example_dataset
 from stepflash_jax.sampling import RolloutEngine
 
 
-def heldout_examples(config) -> list:
-  """A fixed list of test-split problems (disjoint from training by construction)."""
+def heldout_examples(config, tok=None) -> list:
+  """A fixed list of test-split problems (disjoint from training by construction): the first eval.num_examples of
+  the task mixture's test split, or of the test records of config field data.jsonl (checked with `tok`)."""
+  records = jsonl.config_examples(config, tok, "test")
+  if records is not None:
+    return records[: config.eval.num_examples]
   ds = example_dataset(
     mixture=config.data.mixture,
     split="test",

@@ -21,11 +21,13 @@ import os
 import jax
 import jax.numpy as jnp
 
+from stepflash_jax import config as config_lib
+from stepflash_jax import hf
 from stepflash_jax import model as model_lib
 from stepflash_jax import parallel
 from stepflash_jax.train import state as state_lib
-from stepflash_jax.data import future_targets, load_tokenizer, sft_dataset
-from stepflash_jax.data.tokenizer import DEFAULT_FAMILIES
+from stepflash_jax.data import future_targets, jsonl, sft_dataset
+from stepflash_jax.data.hf_tokenizer import tokenizer_for
 from stepflash_jax.model.moe import ep_balance_loss, routing_metrics, update_router_bias
 from stepflash_jax.train import evaluate
 from stepflash_jax.train.checkpoint import Checkpointer
@@ -90,7 +92,9 @@ def make_train_step(args, tx, tcfg, lr_fn, mask):
 
 def train(config, workdir: str, log=print):
   """Run (or resume) SFT or pre-training (config.job) into workdir on the mesh of config.mesh; returns
-  {"variables", "accuracy" (None for pre-training), "step", "tokenizer"}. A finished run is restored, not retrained."""
+  {"variables", "accuracy" (None for pre-training), "step", "tokenizer"}. A finished run is restored, not retrained.
+  With model.hf_dir the model, its weights and its tokenizer come from that checkpoint (hf.resolve_model)."""
+  config = hf.resolve_model(config)
   mesh, rules = parallel.make_mesh(config.mesh), parallel.rules(config)
   with parallel.use_mesh(mesh, rules):
     return _train(config, workdir, log, mesh, rules)
@@ -98,7 +102,12 @@ def train(config, workdir: str, log=print):
 
 def _start_variables(config, workdir, log, mesh, rules):
   """The SFT stage's starting point: the pre-training run of config.pretrain (run or resumed there first), else
-  a fresh init from config.seed."""
+  a fresh init from config.seed, or the weights of model.hf_dir."""
+  if config.model.hf_dir:
+    log(f"sft: starting from the checkpoint in {config.model.hf_dir}")
+    keep = {k: config.model[k] for k in config_lib.IMPL_KEYS + ("param_dtype",)}
+    variables = hf.load_hf_checkpoint(config.model.hf_dir, **keep)[1]
+    return state_lib.place_state(variables, model_lib.as_args(config.model), mesh, rules)
   if config.get("pretrain") is None:
     return state_lib.init_variables(model_lib.as_args(config.model), jax.random.key(config.seed), mesh, rules)
   pre_dir = config.train.get("init_from") or os.path.join(workdir, "pretrain")
@@ -112,8 +121,7 @@ def _train(config, workdir, log, mesh, rules):
   t = config.train
   stage = "pretrain" if config.job == "pretrain" else "sft"  # an RL config's SFT stage has job "rl"
   pretrain = stage == "pretrain"
-  families = tuple(config.data.get("tokenizer_families", DEFAULT_FAMILIES))  # + their SYMBOLS (tool calls)
-  tok = load_tokenizer(config.data.tokenizer_dir or None, vocab_size=config.model.vocab_size, families=families)
+  tok = tokenizer_for(config)
   data = sft_dataset(
     tok,
     batch_size=parallel.local_batch_size(config.data.batch_size),
@@ -121,6 +129,7 @@ def _train(config, workdir, log, mesh, rules):
     mixture=config.data.mixture,
     seed=config.seed,
     form="text" if pretrain else "chat",
+    examples=jsonl.config_examples(config, tok, "train", log, require_response=True) if t.steps else None,
   )
   it = iter(data)
   lr_fn = lr_schedule(config.optim.lr, t.steps, config.optim.warmup_frac, config.optim.end_lr_frac)
@@ -146,7 +155,7 @@ def _train(config, workdir, log, mesh, rules):
   step_fn = make_train_step(
     args, tx, t, lr_fn, frozen_mask(state["params"], t.freeze_router, t.get("router_lr_scale", 1.0))
   )
-  eval_set = None if pretrain else evaluate.heldout_examples(config)
+  eval_set = None if pretrain else evaluate.heldout_examples(config, tok)
   keys = ["loss", "mtp1_loss", "grad_norm", "lr"] + (
     ["routing/confidence", "routing/load_imbalance"] if pretrain else []
   )
@@ -174,10 +183,13 @@ def _train(config, workdir, log, mesh, rules):
     os.path.join(workdir, f"{stage}.png"),
     title=stage,
   )
+  variables = {"params": state["params"], "router": state["router"]}
   if acc is None and eval_set is not None:  # resumed after the last step: evaluate the restored state
-    acc = evaluate.accuracy(config, {"params": state["params"], "router": state["router"]}, tok, eval_set)
+    acc = evaluate.accuracy(config, variables, tok, eval_set)
+  if not pretrain and t.steps:  # (no SFT steps: the input checkpoint itself, not copied)
+    hf.export(config.model, variables, tok, os.path.join(workdir, "hf"))
   return {
-    "variables": {"params": state["params"], "router": state["router"]},
+    "variables": variables,
     "accuracy": acc,
     "step": int(state["step"]),
     "tokenizer": tok,

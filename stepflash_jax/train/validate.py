@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from stepflash_jax import config as model_config_lib
 from stepflash_jax.agents import envs
 from stepflash_jax.agents.tools import CALL_CLOSE
@@ -55,7 +57,12 @@ def validate_run_config(c, num_devices: int | None = None) -> None:
     _err("optim.ortho_dtype", f"unknown dtype {c.optim.ortho_dtype!r}")
   if c.optim.get("pe_safety", "reference") not in PE_SAFETY_SCHEDULES:
     _err("optim.pe_safety", f"must be one of {PE_SAFETY_SCHEDULES}, got {c.optim.pe_safety!r}")
-  _positive(c, "train", ["steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"])
+  if c.data.get("jsonl") and not os.path.isfile(c.data.jsonl):
+    _err("data.jsonl", f"{c.data.jsonl!r} is not a file")
+  if c.model.get("hf_dir") and c.train.steps == 0:  # RL straight from the checkpoint: no SFT stage
+    _positive(c, "train", ["log_every", "eval_every", "checkpoint_every", "keep_checkpoints"])
+  else:
+    _positive(c, "train", ["steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"])
   if c.train.mtp_weight < 0:
     _err("train.mtp_weight", f"must be >= 0, got {c.train.mtp_weight}")
   if c.train.mtp_weight > 0 and c.model.num_mtp_layers == 0:
