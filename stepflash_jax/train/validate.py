@@ -95,6 +95,8 @@ def _check_agent(c):
   if "agent" not in c:
     return
   a = c.agent
+  if c.model.get("hf_dir"):
+    _err("model.hf_dir", "agent runs use the project's own chat format (SentencePiece tokenizer), not a checkpoint's")
   if a.env not in envs.ENVIRONMENTS:
     _err("agent.env", f"must be one of {sorted(envs.ENVIRONMENTS)}, got {a.env!r}")
   for n in ("max_turns", "turn_tokens", "workers"):
