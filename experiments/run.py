@@ -1,4 +1,5 @@
-"""The entry point: pre-training, SFT, or SFT -> RL (MIS-PO / PPO / GSPO / TIS), chosen by the config's `job`.
+"""The entry point: pre-training, SFT, SFT -> RL (MIS-PO / PPO / GSPO / TIS), or the whole post-training pipeline
+(configs/pipeline.py), chosen by the config's `job`.
 
   python experiments/run.py --config=configs/mispo.py                       # the main job (17-34 min on 2 cores)
   python experiments/run.py --config=configs/sft.py --workdir=runs/sft --config.train.steps=200
@@ -61,10 +62,12 @@ def main(argv):
   try:
     resolve_model(config)  # model.hf_dir: the checkpoint's architecture
     validate_run_config(config, num_devices=jax.device_count())
-    if config.job == "rl":
-      from stepflash_jax.rl.reward_training import check_config
+    if config.job in ("rl", "pipeline"):
+      from stepflash_jax.rl import posttrain, reward_training
 
-      check_config(config)
+      reward_training.check_config(config)
+      if config.job == "pipeline":
+        posttrain.check_config(config)
   except ValueError as e:
     sys.exit(f"error: {e}")
   workdir = _WORKDIR.value or default_workdir(config_flags.get_config_filename(flags.FLAGS["config"]))
@@ -79,6 +82,10 @@ def main(argv):
     from stepflash_jax.rl import trainer
 
     trainer.run(config, workdir)
+  elif config.job == "pipeline":
+    from stepflash_jax.rl import posttrain
+
+    posttrain.run(config, workdir)
   else:
     sys.exit(f"error: config field 'job': unknown job {config.job!r}")
 

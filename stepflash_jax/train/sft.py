@@ -90,14 +90,15 @@ def make_train_step(args, tx, tcfg, lr_fn, mask):
   return step
 
 
-def train(config, workdir: str, log=print):
+def train(config, workdir: str, log=print, examples=None):
   """Run (or resume) SFT or pre-training (config.job) into workdir on the mesh of config.mesh; returns
   {"variables", "accuracy" (None for pre-training), "step", "tokenizer"}. A finished run is restored, not retrained.
-  With model.hf_dir the model, its weights and its tokenizer come from that checkpoint (hf.resolve_model)."""
+  With model.hf_dir the model, its weights and its tokenizer come from that checkpoint (hf.resolve_model).
+  `examples` (a list of example dicts, e.g. distilled data) replaces the training data of config.data."""
   config = hf.resolve_model(config)
   mesh, rules = parallel.make_mesh(config.mesh), parallel.rules(config)
   with parallel.use_mesh(mesh, rules):
-    return _train(config, workdir, log, mesh, rules)
+    return _train(config, workdir, log, mesh, rules, examples)
 
 
 def _start_variables(config, workdir, log, mesh, rules):
@@ -115,7 +116,7 @@ def _start_variables(config, workdir, log, mesh, rules):
   return _train(config.pretrain, pre_dir, log, mesh, rules)["variables"]
 
 
-def _train(config, workdir, log, mesh, rules):
+def _train(config, workdir, log, mesh, rules, examples=None):
   os.makedirs(workdir, exist_ok=True)
   args = model_lib.as_args(config.model)
   t = config.train
@@ -129,7 +130,7 @@ def _train(config, workdir, log, mesh, rules):
     mixture=config.data.mixture,
     seed=config.seed,
     form="text" if pretrain else "chat",
-    examples=jsonl.config_examples(config, tok, "train", log, require_response=True) if t.steps else None,
+    examples=examples or (jsonl.config_examples(config, tok, "train", log, require_response=True) if t.steps else None),
   )
   it = iter(data)
   lr_fn = lr_schedule(config.optim.lr, t.steps, config.optim.warmup_frac, config.optim.end_lr_frac)
@@ -148,7 +149,8 @@ def _train(config, workdir, log, mesh, rules):
   }
   if start is not None:
     state, extra = ckpt.restore(start, target=state)
-    it.set_state(extra["data"])
+    if start < t.steps:  # (a finished run may be reused with another data pipeline, e.g. by the RL stage)
+      it.set_state(extra["data"])
     log(f"{stage}: resumed from step {start} in {workdir}")
   start = start or 0
   writer = MetricsWriter(workdir, stage, resume_step=start)

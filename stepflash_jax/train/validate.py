@@ -28,7 +28,7 @@ def _positive(c, section, names):
       _err(f"{section}.{n}", f"must be > 0, got {v!r}")
 
 
-JOBS = ("pretrain", "sft", "rl")
+JOBS = ("pretrain", "sft", "rl", "pipeline")
 
 
 MINIBATCHES = ("actor_minibatches", "critic_minibatches")

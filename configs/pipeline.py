@@ -1,0 +1,59 @@
+"""The post-training pipeline (docs/rl.md §12; stepflash_jax/rl/posttrain.py): pre-training -> SFT -> one RL expert
+per domain -> self-distillation by rejection sampling -> student SFT from the pre-training checkpoint -> student RL
+on all domains, with a per-domain accuracy table (<workdir>/summary.md).
+
+  python experiments/run.py --config=configs/pipeline.py          # runs/pipeline; measured time: README
+  python experiments/run.py --config=configs/pipeline.py:small    # the test-suite size, a few minutes
+Rerunning the same command resumes at the first unfinished stage; --config.pipeline.dirs.sft=DIR (or any stage)
+reuses an existing run.
+"""
+
+import ml_collections
+
+from configs import mispo
+from configs import pretrain
+from configs import sft as sft_config
+from stepflash_jax.fixtures import fixture_model_config
+
+
+def get_config(arg: str = ""):
+  small = "small" in sft_config.options(arg)
+  c = mispo.get_config(arg)
+  c.job = "pipeline"
+  c.pretrain = pretrain.get_config("small" if small else "")
+  if small:  # the test-suite size: a 4-layer model (fixtures.py) compiles ~2.5x faster than the 10-layer tiny one
+    c.model = c.pretrain.model = fixture_model_config(vocab_size=c.model.vocab_size)
+    c.pretrain.train.ep_groups = 2  # (4 experts)
+  c.pretrain.train.steps = 20 if small else 150  # Sigma_k 0.52, load max / mean 1.6 (last 20 steps); ~2 min
+  c.train.steps = 30 if small else 300  # the SFT stage (the main job's)
+  c.eval.num_examples = 16 if small else 256  # held-out problems per domain (std <= 3.1 points at 256)
+  c.eval.batch_size = 16 if small else 128
+
+  c.pipeline = p = ml_collections.ConfigDict()
+  p.domains = ml_collections.ConfigDict(
+    dict(
+      # the main job's mixture, split into its two kinds of problem
+      arithmetic=dict(
+        mixture="arithmetic/+:2-3:1,arithmetic/+:3-4:1,arithmetic/-:2-3:1.5,arithmetic/*:2-3:1.5", weight=1.0
+      ),
+      countdown=dict(mixture="countdown:3", weight=1.0),
+    )
+  )
+  p.expert_steps = 2 if small else 24  # RL generations of each expert (one domain's prompts)
+  p.student_sft_steps = 20 if small else 400  # ~2 passes over the distilled data
+  p.student_rl_steps = 2 if small else 48  # the student's RL on the combined mixture (domain weights above)
+  # "" = <workdir>/<stage>; a path reuses that run (e.g. another pipeline's SFT stage)
+  p.dirs = ml_collections.ConfigDict({k: "" for k in ("pretrain", "sft", "distill", "student_sft", "student_rl")})
+  p.dirs.update({f"expert_{d}": "" for d in p.domains})
+
+  c.distill = d = ml_collections.ConfigDict()
+  # SFT prompts re-rolled per domain expert: the student needs thousands of distinct problems (384 gave ~700
+  # examples in all and a student 40 points below the experts); 2 x 4096 x 4 samples take ~4 minutes
+  d.prompts = 16 if small else 4096
+  d.samples = 4  # responses per prompt at rl.temperature
+  d.keep = 1  # at most this many distinct accepted responses per prompt
+  # in order; the first that rejects a response counts it (small: the few-step experts are never right, so "correct"
+  # is left out to keep data for the student)
+  d.filters = ("mixed_script", "length") if small else ("correct", "mixed_script", "length")
+  d.length_budget = 1.5  # "length": at most 1.5x the shortest correct response's tokens (over-long thinking)
+  return c

@@ -1,0 +1,173 @@
+"""The post-training pipeline (report §5, docs/rl.md §12) as one resumable job (config.job = "pipeline"):
+
+  pretrain -> SFT -> RL of one expert per domain -> self-distillation (each expert re-rolls its domain's SFT
+  prompts, rejection sampling: rl/distill.py) -> student SFT on the distilled data, from the pre-training
+  checkpoint -> RL of the student on all domains (per-domain batch mix: pipeline.domains.<name>.weight)
+
+Each stage runs in its own directory (<workdir>/<stage>, or pipeline.dirs.<stage> to reuse an existing run) with its
+checkpoints, metrics and plots, then adds a row to the summary table: held-out greedy accuracy per domain
+(eval.num_examples test problems of each domain's mixture). Rows live in <workdir>/pipeline.json (written atomically
+after each stage); a rerun skips stages that have their row and resumes the first unfinished one from its own
+checkpoints, so a kill -9 anywhere followed by the same command ends with the same table.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+from stepflash_jax import config as config_lib
+from stepflash_jax import hf
+from stepflash_jax.data import load_tokenizer_dir, tasks
+from stepflash_jax.data.pipeline import example_dataset
+from stepflash_jax.files import atomic_write
+from stepflash_jax.rl import distill, trainer
+from stepflash_jax.train import evaluate, sft
+from stepflash_jax.train.metrics import summary_table
+
+
+def mixture_spec(components) -> str:
+  """MixtureComponents -> the 'family[/variant]:lo-hi:weight,...' string (parse_mixture's inverse for ranges)."""
+  parts = []
+  for c in components:
+    d = c.difficulties
+    if d != tuple(range(d[0], d[-1] + 1)):
+      raise ValueError(f"mixture component {c}: difficulties must be a contiguous range")
+    parts.append(f"{c.family}{'/' + c.variant if c.variant else ''}:{d[0]}-{d[-1]}:{c.weight:g}")
+  return ",".join(parts)
+
+
+def combined_mixture(domains) -> str:
+  """The domains' mixtures in one, each domain's weights scaled so that its total is pipeline.domains.<d>.weight."""
+  comps = []
+  for d in domains.values():
+    mix = tasks.parse_mixture(d.mixture)
+    total = sum(c.weight for c in mix)
+    comps += [tasks.MixtureComponent(c.family, c.difficulties, d.weight * c.weight / total, c.variant) for c in mix]
+  return mixture_spec(comps)
+
+
+class Table:
+  """The summary rows {stage: {domain: accuracy}} in <workdir>/pipeline.json (+ summary.md), saved atomically."""
+
+  def __init__(self, workdir: str, domains):
+    self.path, self.domains = os.path.join(workdir, "pipeline.json"), list(domains)
+    self.rows = json.load(open(self.path)) if os.path.exists(self.path) else {}
+
+  def add(self, stage: str, row: dict) -> None:
+    self.rows[stage] = row
+    atomic_write(self.path, json.dumps(self.rows, indent=1))
+    atomic_write(os.path.join(os.path.dirname(self.path), "summary.md"), self.markdown() + "\n")
+
+  def markdown(self) -> str:
+    rows = [{"stage": s, **{d: r[d] for d in self.domains}} for s, r in self.rows.items()]
+    return summary_table(rows, ["stage"] + self.domains)
+
+
+def stage_config(config, mixture: str | None = None, **sections):
+  """A copy of the pipeline config for one stage: data.mixture and fields of other sections replaced."""
+  c = copy.deepcopy(config)
+  with c.unlocked():
+    if mixture is not None:
+      c.data.mixture = mixture
+    for section, fields in sections.items():
+      c[section].update(fields)
+  return c
+
+
+def check_config(config) -> None:
+  """The pipeline and distill sections (ValueError naming the field)."""
+  p, d = config.pipeline, config.distill
+  if not p.domains:
+    raise ValueError("config field 'pipeline.domains': at least one domain")
+  for name, dom in p.domains.items():
+    try:
+      tasks.parse_mixture(dom.mixture)
+    except ValueError as e:
+      raise ValueError(f"config field 'pipeline.domains.{name}.mixture': {e}") from None
+    if not dom.weight > 0:
+      raise ValueError(f"config field 'pipeline.domains.{name}.weight': must be > 0, got {dom.weight}")
+  for f in ("expert_steps", "student_sft_steps", "student_rl_steps"):
+    if not (isinstance(p[f], int) and p[f] > 0):
+      raise ValueError(f"config field 'pipeline.{f}': must be an int > 0, got {p[f]!r}")
+  for f in ("prompts", "samples", "keep"):
+    if not (isinstance(d[f], int) and d[f] > 0):
+      raise ValueError(f"config field 'distill.{f}': must be an int > 0, got {d[f]!r}")
+  if not d.length_budget >= 1:
+    raise ValueError(f"config field 'distill.length_budget': must be >= 1, got {d.length_budget}")
+  distill.check_filters(d.filters)
+  unknown = (
+    set(p.dirs) - {"pretrain", "sft", "distill", "student_sft", "student_rl"} - {f"expert_{n}" for n in p.domains}
+  )
+  if unknown:
+    raise ValueError(f"config field 'pipeline.dirs': unknown stage(s) {sorted(unknown)}")
+
+
+def run(config, workdir: str, log=print) -> dict:
+  """Every stage (module docstring) -> the table rows {stage: {domain: accuracy}}."""
+  p, domains = config.pipeline, config.pipeline.domains
+  table = Table(workdir, domains)
+  stage_dir = lambda name: p.dirs.get(name) or os.path.join(workdir, name)
+  pre_dir = stage_dir("pretrain")
+  base = stage_config(config, mixture=combined_mixture(domains), train=dict(init_from=pre_dir))
+  eval_sets = {d: evaluate.heldout_examples(stage_config(base, domains[d].mixture)) for d in domains}
+  engine = None
+
+  def record(stage, variables, tok):
+    nonlocal engine
+    engine = engine or evaluate.eval_engine(base, tok, temperature=0.0)
+    row = {d: evaluate.accuracy(base, variables, tok, eval_sets[d], engine)["accuracy"] for d in domains}
+    table.add(stage, row)
+    log(f"pipeline: {stage}: " + ", ".join(f"{d} {a:.3f}" for d, a in row.items()))
+
+  sft_out = None
+  if "sft" not in table.rows:
+    sft_out = sft.train(base, stage_dir("sft"), log=log)
+    record("sft", sft_out["variables"], sft_out["tokenizer"])
+  for d in domains:
+    name = f"expert_{d}"
+    if name not in table.rows:
+      expert = stage_config(base, domains[d].mixture, rl=dict(sft_workdir=stage_dir("sft"), steps=p.expert_steps))
+      trainer.run(expert, stage_dir(name), log=log)
+      record(name, *_exported(base, stage_dir(name)))
+  data_path = os.path.join(stage_dir("distill"), "distilled.jsonl")
+  if not os.path.exists(data_path):
+    _distill(base, domains, stage_dir, data_path, log)
+  student = stage_config(base, train=dict(steps=p.student_sft_steps))
+  if "student_sft" not in table.rows:
+    out = sft.train(student, stage_dir("student_sft"), log=log, examples=distill.read_examples(data_path))
+    record("student_sft", out["variables"], out["tokenizer"])
+  if "student_rl" not in table.rows:
+    rl_cfg = stage_config(student, rl=dict(sft_workdir=stage_dir("student_sft"), steps=p.student_rl_steps))
+    trainer.run(rl_cfg, stage_dir("student_rl"), log=log)
+    record("student_rl", *_exported(base, stage_dir("student_rl")))
+  log(table.markdown())
+  return table.rows
+
+
+def _exported(config, run_dir):
+  """(variables, tokenizer) of a finished RL run's export (<run_dir>/hf)."""
+  keep = {k: config.model[k] for k in config_lib.IMPL_KEYS + ("param_dtype",)}
+  return hf.load_hf_checkpoint(os.path.join(run_dir, "hf"), **keep)[1], load_tokenizer_dir(os.path.join(run_dir, "hf"))
+
+
+def _distill(base, domains, stage_dir, data_path, log):
+  """Each expert re-rolls pipeline.distill_prompts SFT prompts of its domain; writes the data and the counts."""
+  records, counts = [], {}
+  for i, d in enumerate(domains):
+    variables, tok = _exported(base, stage_dir(f"expert_{d}"))
+    ds = example_dataset(mixture=domains[d].mixture, split="train", seed=base.seed)
+    prompts = [ds[k] for k in range(base.distill.prompts)]
+    kept, counts[d] = distill.distill_domain(
+      base, variables, tok, prompts, domain=d, expert=f"expert_{d}", seed=base.seed + i
+    )
+    if not kept:
+      raise ValueError(
+        f"distillation of {d!r} kept no response ({counts[d]}): train the expert longer or relax "
+        "config field 'distill.filters'"
+      )
+    records += kept
+    log(f"pipeline: distill {d}: " + ", ".join(f"{k} {v}" for k, v in counts[d].items()))
+  atomic_write(os.path.join(os.path.dirname(data_path), "counts.json"), json.dumps(counts, indent=1))
+  distill.write_examples(data_path, records)

@@ -1,0 +1,124 @@
+"""The post-training pipeline (rl/posttrain.py, rl/distill.py, configs/pipeline.py): rejection sampling against
+hand-computed counts, the combined mixture, config errors, and the whole job - kill -9 in the middle of a stage and
+the same command again give the uninterrupted run's table and distilled data."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from stepflash_jax.config import load_config_file
+from stepflash_jax.data import tasks
+from stepflash_jax.rl import distill, posttrain
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _example():
+  return tasks.generate("arithmetic", 3, 2, variant="+")
+
+
+def test_select_counts_each_rejection_once():
+  ex = _example()
+  right, final = ex["answer"], ex["answer"].rsplit("</think>", 1)[1]
+  wrong = right.replace(final, str(int(final) + 1))
+  long_right = "<think>" + "x" * 5 + right[len("<think>") :]
+  mixed = right.replace("</think>", "</think>\u0416")  # a Cyrillic letter: two scripts
+  texts = [[right, wrong, right, long_right, mixed, right]]
+  lengths = np.array([[10, 9, 10, 16, 11, 10]])
+  truncated = np.array([[False, False, False, False, False, True]])  # the last one was cut off
+  kept, counts = distill.select([ex], texts, lengths, truncated, ("correct", "mixed_script", "length"), 1.5, keep=2)
+  # wrong, truncated and mixed (its final answer gained a letter: wrong too, and "correct" comes first) -> correct;
+  # long_right is right but 16 > 1.5 x 10 tokens -> length; the second plain right -> duplicate
+  assert counts == {
+    "sampled": 6,
+    "correct": 3,
+    "mixed_script": 0,
+    "length": 1,
+    "duplicate": 1,
+    "over_keep": 0,
+    "kept": 1,
+  }
+  assert kept == [(0, right, 10)]
+  kept, counts = distill.select([ex], texts, lengths, truncated, ("mixed_script",), 1.5, keep=2)
+  assert counts["mixed_script"] == 1 and counts["duplicate"] == 2 and counts["over_keep"] == 1
+  assert [t for _, t, _ in kept] == [right, wrong]
+  assert sum(v for k, v in counts.items() if k != "sampled") == counts["sampled"]
+
+
+def test_combined_mixture_scales_each_domain_to_its_weight():
+  c = load_config_file(os.path.join(ROOT, "configs", "pipeline.py"), "small")
+  c.pipeline.domains.countdown.weight = 3.0
+  mix = tasks.parse_mixture(posttrain.combined_mixture(c.pipeline.domains))
+  by_family = {}
+  for comp in mix:
+    by_family[comp.family] = by_family.get(comp.family, 0.0) + comp.weight
+  assert by_family == pytest.approx({"arithmetic": 1.0, "countdown": 3.0})
+  assert [m.variant for m in mix if m.family == "arithmetic"] == ["+", "+", "-", "*"]
+
+
+@pytest.mark.parametrize(
+  "field, value, message",
+  [
+    ("pipeline.expert_steps", 0, "pipeline.expert_steps"),
+    ("distill.filters", ("correct", "nope"), "distill.filters"),
+    ("distill.length_budget", 0.5, "distill.length_budget"),
+  ],
+)
+def test_config_errors_name_the_field(field, value, message):
+  c = load_config_file(os.path.join(ROOT, "configs", "pipeline.py"), "small")
+  posttrain.check_config(c)
+  section, name = field.split(".")
+  c[section][name] = value
+  with pytest.raises(ValueError, match=message):
+    posttrain.check_config(c)
+  c = load_config_file(os.path.join(ROOT, "configs", "pipeline.py"), "small")
+  c.pipeline.domains.countdown.mixture = "countdown:99"
+  with pytest.raises(ValueError, match="pipeline.domains.countdown.mixture"):
+    posttrain.check_config(c)
+
+
+def _cmd(workdir):
+  return [
+    sys.executable,
+    os.path.join(ROOT, "experiments", "run.py"),
+    "--config=" + os.path.join(ROOT, "configs", "pipeline.py:small"),
+    f"--workdir={workdir}",
+    "--config.rl.checkpoint_every=1",  # a checkpoint after each generation: a kill lands inside an RL stage
+  ]
+
+
+def test_pipeline_resumes_after_kill_with_the_same_table(tmp_path):
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  a, b = tmp_path / "a", tmp_path / "b"
+  out = subprocess.run(_cmd(a), env=env, capture_output=True, text=True, timeout=1200)
+  assert out.returncode == 0, out.stderr[-3000:]
+  rows = json.load(open(a / "pipeline.json"))
+  assert list(rows) == ["sft", "expert_arithmetic", "expert_countdown", "student_sft", "student_rl"]
+  assert all(set(r) == {"arithmetic", "countdown"} for r in rows.values())
+  counts = json.load(open(a / "distill" / "counts.json"))
+  for c in counts.values():
+    assert c["sampled"] == 16 * 4 and sum(v for k, v in c.items() if k != "sampled") == c["sampled"]
+  data = distill.read_examples(str(a / "distill" / "distilled.jsonl"))
+  assert len(data) == sum(c["kept"] for c in counts.values())
+  assert {r["domain"] for r in data} == {"arithmetic", "countdown"}
+  assert all(r["expert"] == f"expert_{r['domain']}" and r["family"] == r["domain"] for r in data)
+
+  p = subprocess.Popen(_cmd(b), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  ck, deadline = b / "expert_countdown" / "rl" / "checkpoints" / "1", time.time() + 1200
+  while not ck.exists() and p.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
+  p.send_signal(signal.SIGKILL)
+  p.wait()
+  assert ck.exists() and not (b / "distill").exists(), "killed at the wrong point"
+  out = subprocess.run(_cmd(b), env=env, capture_output=True, text=True, timeout=1200)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "rl: resumed from generation 1" in out.stdout
+  assert json.load(open(b / "pipeline.json")) == rows
+  assert open(b / "distill" / "distilled.jsonl").read() == open(a / "distill" / "distilled.jsonl").read()
+  assert (b / "summary.md").read_text() == (a / "summary.md").read_text()
