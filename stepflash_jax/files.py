@@ -1,7 +1,9 @@
-"""Files written whole or not at all: a temporary file in the same directory, renamed into place."""
+"""Files written whole or not at all (a temporary file in the same directory, renamed into place), and JSON read
+with the file's path in its error."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 
@@ -21,3 +23,12 @@ def atomic_write(path: str, data: str | bytes) -> str:
       os.remove(tmp)
     raise
   return path
+
+
+def read_json(path: str):
+  """json.load with the file's path in the error (a truncated / malformed file): ValueError."""
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{path}: malformed JSON ({e})") from e

@@ -20,6 +20,7 @@ from safetensors.flax import load_file, save_file
 from stepflash_jax import config as config_lib
 from stepflash_jax import model as model_lib
 from stepflash_jax.data.hf_tokenizer import tokenizer_files
+from stepflash_jax.files import read_json
 
 # (our sub-path inside a decoder layer, HF suffix, number of leading batch axes, number of input axes or None=copy)
 _LAYER = [
@@ -160,20 +161,11 @@ def export(cfg, variables, tok, directory: str) -> str:
   return directory
 
 
-def _read_json(fn: str) -> dict:
-  """json.load with the file's path in the error (a truncated / malformed file)."""
-  try:
-    with open(fn) as f:
-      return json.load(f)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ValueError(f"{fn}: malformed JSON ({e})") from e
-
-
 def _read_tensors(path: str) -> dict:
   index = os.path.join(path, "model.safetensors.index.json")
   if os.path.exists(index):
     try:
-      files = sorted(set(_read_json(index)["weight_map"].values()))
+      files = sorted(set(read_json(index)["weight_map"].values()))
     except (KeyError, TypeError, AttributeError) as e:
       raise ValueError(f"{index}: not a safetensors index (needs a 'weight_map' of tensor -> file): {e!r}") from e
   else:
@@ -199,6 +191,16 @@ def _stored_dtype(path: str) -> str | None:
   return names.get(dtypes.pop(), None) if len(dtypes) == 1 else None
 
 
+def _model_config(path: str):
+  """The model ConfigDict of `path`/config.json; ValueError naming the file when it is malformed or not Step3p5."""
+  cfg_file = os.path.join(path, "config.json")
+  hf_cfg = read_json(cfg_file)
+  try:
+    return config_lib.from_hf_config(hf_cfg)
+  except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+    raise ValueError(f"{cfg_file}: not a valid Step 3.5 Flash config ({type(e).__name__}: {e})") from e
+
+
 def resolve_model(config):
   """With config.model.hf_dir set: config.model becomes the checkpoint's architecture (its config.json) and stored
   param dtype, keeping the config's numerics and implementation switches (dtype, attention_impl, moe_impl,
@@ -210,11 +212,7 @@ def resolve_model(config):
     raise ValueError(
       f"config field 'model.hf_dir': {hf_dir!r} has no config.json (a Hugging Face checkpoint directory)"
     )
-  cfg_file = os.path.join(hf_dir, "config.json")
-  try:
-    model = config_lib.from_hf_config(_read_json(cfg_file))
-  except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
-    raise ValueError(f"{cfg_file}: not a valid Step 3.5 Flash config ({type(e).__name__}: {e})") from e
+  model = _model_config(hf_dir)
   for key in config_lib.IMPL_KEYS + ("init_std", "hf_dir"):
     model[key] = config.model[key]
   model.param_dtype = _stored_dtype(hf_dir) or config.model.param_dtype
@@ -226,12 +224,7 @@ def resolve_model(config):
 def load_hf_checkpoint(path: str, **config_overrides):
   """Directory with config.json + *.safetensors (single or sharded) -> (cfg, variables). A malformed config.json or
   an unreadable (e.g. truncated) safetensors file raises ValueError naming the file."""
-  cfg_file = os.path.join(path, "config.json")
-  hf_cfg = _read_json(cfg_file)
-  try:
-    cfg = config_lib.from_hf_config(hf_cfg)
-  except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
-    raise ValueError(f"{cfg_file}: not a valid Step 3.5 Flash config ({type(e).__name__}: {e})") from e
+  cfg = _model_config(path)
   tensors = _read_tensors(path)
   dtypes = {str(t.dtype) for n, t in tensors.items() if "router" not in n and "gate.weight" not in n}
   if len(dtypes) == 1:

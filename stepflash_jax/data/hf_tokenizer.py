@@ -30,18 +30,11 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from stepflash_jax.data.tasks.base import THINK_CLOSE, THINK_OPEN
+from stepflash_jax.files import read_json
 from stepflash_jax.data.tokenizer import DEFAULT_FAMILIES, Tokenizer, load_tokenizer
 
 TOKENIZER_FILE, CONFIG_FILE, TEMPLATE_FILE = "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"
 SP_FILE = "tokenizer.model"
-
-
-def _read_json(path: str) -> dict:
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ValueError(f"{path}: malformed JSON ({e})") from e
 
 
 def _token_text(value) -> str | None:
@@ -90,7 +83,7 @@ class HFTokenizer:
       self.tk = tokenizers.Tokenizer.from_file(path)
     except Exception as e:  # the Rust error type is not exported
       raise ValueError(f"{path}: cannot read the tokenizer ({e})") from e
-    self.directory, self.config = directory, _read_json(cfg_path)
+    self.directory, self.config = directory, read_json(cfg_path)
     template_path = os.path.join(directory, TEMPLATE_FILE)
     template = self.config.get("chat_template")
     if os.path.isfile(template_path):
