@@ -35,30 +35,13 @@ from configs import mispo
 from stepflash_jax.caches import cache_dir
 
 
-PER_LAYER = ("layer_types", "rope_theta", "partial_rotary_factors", "swiglu_limits", "swiglu_limits_shared")
-
-
-def micro_model(model, num_layers: int = 4, num_mtp_layers: int = 1):
-  """The tiny model cut to its first `num_layers` layers (full, SWA, dense, MoE all present) and `num_mtp_layers`
-  MTP modules: the same code paths, ~2x faster to compile (the small mode is dominated by XLA compilation)."""
-  L0 = model.num_layers
-  m = model.copy_and_resolve_references()
-  for f in PER_LAYER:
-    v = list(m[f])
-    m[f] = v[:num_layers] + v[L0 : L0 + num_mtp_layers]
-  m.moe_layers = [i for i in m.moe_layers if i < num_layers]
-  m.num_layers, m.num_mtp_layers = num_layers, num_mtp_layers
-  return m
-
-
 def get_config(arg: str = ""):
   if arg not in ("", "small"):
     raise ValueError(f"configs/lab.py: unknown variant {arg!r} (use '' or 'small')")
   small = arg == "small"
   c = mispo.get_config("small" if small else "")
   # The SFT checkpoint every variant starts from (<workdir>/sft, trained once).
-  if small:
-    c.model = micro_model(c.model)
+  if small:  # (the 4-layer model of every small mode: configs/model/tiny.py)
     c.train.steps = c.train.eval_every = c.train.checkpoint_every = 30
   else:  # the measured lab: 300 SFT steps (~59% held-out), fp32 eval, 64-token limit
     c.train.steps = c.train.eval_every = 300

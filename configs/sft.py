@@ -31,7 +31,7 @@ def get_config(arg: str = ""):
   c = ml_collections.ConfigDict()
   c.job = "sft"
   c.seed = 0
-  c.model = load_config_file(os.path.join(HERE, "model", "tiny.py"))
+  c.model = load_config_file(os.path.join(HERE, "model", "tiny.py"), "small" if small else None)  # small: 4 layers
 
   c.data = ml_collections.ConfigDict()
   c.data.mixture = "default"  # 2-4 digit arithmetic + 3-number countdown (stepflash_jax/data/tasks)

@@ -10,7 +10,6 @@ import numpy as np
 import optax
 import pytest
 
-from configs.lab import micro_model
 
 import stepflash_jax as sfj
 from stepflash_jax import model as M
@@ -25,8 +24,7 @@ P, R, N = 6, 8, 4
 
 @pytest.fixture(scope="module")
 def setup():
-  cfg = load_config_file(os.path.join(ROOT, "configs", "mispo.py"), "small")
-  cfg.model = micro_model(cfg.model)  # 4 layers: every layer kind, half the compile time
+  cfg = load_config_file(os.path.join(ROOT, "configs", "mispo.py"), "small")  # 4 layers: every layer kind
   v = sfj.init(cfg.model, jax.random.key(0))
   rng = np.random.default_rng(0)
   lengths = np.array([4, 6, 5, 6], np.int32)

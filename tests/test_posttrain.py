@@ -1,6 +1,7 @@
 """The post-training pipeline (rl/posttrain.py, rl/distill.py, configs/pipeline.py): rejection sampling against
 hand-computed counts, the combined mixture, config errors, and the whole job - kill -9 in the middle of a stage and
-the same command again give the uninterrupted run's table and distilled data."""
+the same command again give the uninterrupted run's table and distilled data, also when earlier stages are reused
+from another run."""
 
 import json
 import os
@@ -83,13 +84,14 @@ def test_config_errors_name_the_field(field, value, message):
     posttrain.check_config(c)
 
 
-def _cmd(workdir):
+def _cmd(workdir, *extra):
   return [
     sys.executable,
     os.path.join(ROOT, "experiments", "run.py"),
     "--config=" + os.path.join(ROOT, "configs", "pipeline.py:small"),
     f"--workdir={workdir}",
     "--config.rl.checkpoint_every=1",  # a checkpoint after each generation: a kill lands inside an RL stage
+    *extra,
   ]
 
 
@@ -109,16 +111,19 @@ def test_pipeline_resumes_after_kill_with_the_same_table(tmp_path):
   assert {r["domain"] for r in data} == {"arithmetic", "countdown"}
   assert all(r["expert"] == f"expert_{r['domain']}" and r["family"] == r["domain"] for r in data)
 
-  p = subprocess.Popen(_cmd(b), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  # b reuses a's first stages (pipeline.dirs: their rows are evaluated again), then is killed inside its own
+  # expert_countdown and resumed by the same command
+  reuse = [f"--config.pipeline.dirs.{s}={a / s}" for s in ("pretrain", "sft", "expert_arithmetic")]
+  p = subprocess.Popen(_cmd(b, *reuse), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   ck, deadline = b / "expert_countdown" / "rl" / "checkpoints" / "1", time.time() + 1200
   while not ck.exists() and p.poll() is None and time.time() < deadline:
     time.sleep(0.05)
   p.send_signal(signal.SIGKILL)
   p.wait()
   assert ck.exists() and not (b / "distill").exists(), "killed at the wrong point"
-  out = subprocess.run(_cmd(b), env=env, capture_output=True, text=True, timeout=1200)
+  out = subprocess.run(_cmd(b, *reuse), env=env, capture_output=True, text=True, timeout=1200)
   assert out.returncode == 0, out.stderr[-3000:]
-  assert "rl: resumed from generation 1" in out.stdout
+  assert not (b / "sft").exists() and "rl: resumed from generation 1" in out.stdout
   assert json.load(open(b / "pipeline.json")) == rows
   assert open(b / "distill" / "distilled.jsonl").read() == open(a / "distill" / "distilled.jsonl").read()
   assert (b / "summary.md").read_text() == (a / "summary.md").read_text()

@@ -52,14 +52,13 @@ def test_sft_loss_is_the_full_logits_cross_entropy():
   import jax
 
   import stepflash_jax as sfj
-  from configs.lab import micro_model
+  from configs.model.tiny import micro_model
   from stepflash_jax import model as M
   from stepflash_jax.config import load_config_file
   from stepflash_jax.data import future_targets
   from stepflash_jax.train.sft import sft_loss
 
-  cfg = load_config_file(os.path.join(ROOT, "configs", "sft.py"), "small")
-  args = M.as_args(micro_model(cfg.model, num_mtp_layers=2))
+  args = M.as_args(micro_model(load_config_file(os.path.join(ROOT, "configs", "model", "tiny.py")), num_mtp_layers=2))
   v = sfj.init(args, jax.random.key(0))
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(3, args.vocab_size, (2, 24)), jnp.int32)
@@ -164,7 +163,7 @@ def test_pretrain_then_sft_starts_from_its_weights(tmp_path):
   rows = [json.loads(l) for l in open(pre / "metrics_pretrain.jsonl")]
   assert [r["step"] for r in rows] == [1, 2, 3]
   moe = [k for k in rows[-1] if k.startswith("routing/confidence/layer_")]
-  assert len(moe) == 8  # tiny model: MoE layers 2..9
+  assert len(moe) == 2  # the small mode's 4-layer model: MoE layers 2 and 3
   assert rows[0]["routing/bias_norm"] > 0  # the bias moved (0.001 * sign per expert: norm sqrt(8) * 0.001)
   np.testing.assert_allclose(rows[0]["routing/bias_norm/layer_2"], 0.001 * np.sqrt(8), rtol=1e-5)
 

@@ -4,15 +4,34 @@ Same pattern as the published model: a leading full-attention layer, then 3 SWA 
 layers and MoE after, 64/96-style unequal query heads (4 full / 6 SWA) over 2 KV heads, partial rotary + llama3
 scaling on full layers, clamps on the last two layers, MTP-3.
   python experiments/count_params.py --config=configs/model/tiny.py     # ~1 s
+`get_config("small")` (the `:small` mode of every run config) is the same model cut to 4 layers + 1 MTP module.
 """
 
 from stepflash_jax.config import FULL, SWA, model_config
 
 
+PER_LAYER = ("layer_types", "rope_theta", "partial_rotary_factors", "swiglu_limits", "swiglu_limits_shared")
+
+
+def micro_model(model, num_layers: int = 4, num_mtp_layers: int = 1):
+  """The model cut to its first `num_layers` layers (full, SWA, dense, MoE all present) and `num_mtp_layers` MTP
+  modules: the same code paths, ~2.5x faster to compile (small runs are dominated by XLA compilation)."""
+  L0 = model.num_layers
+  m = model.copy_and_resolve_references()
+  for f in PER_LAYER:
+    v = list(m[f])
+    m[f] = v[:num_layers] + v[L0 : L0 + num_mtp_layers]
+  m.moe_layers = [i for i in m.moe_layers if i < num_layers]
+  m.num_layers, m.num_mtp_layers = num_layers, num_mtp_layers
+  return m
+
+
 def get_config(arg=None):
+  if arg not in (None, "", "small"):
+    raise ValueError(f"configs/model/tiny.py: unknown variant {arg!r} (use '' or 'small')")
   L, M = 10, 3  # with scan_layers: layers 2..9 = 2 blocks of [SWA, SWA, full, SWA]
   types = [FULL if i % 4 == 0 else SWA for i in range(L + M)]
-  return model_config(
+  model = model_config(
     vocab_size=512,  # matches the locally trained SentencePiece tokenizer
     hidden_size=128,
     head_dim=32,
@@ -43,3 +62,4 @@ def get_config(arg=None):
     # the loop); the full config scans. Tests check that both give the same logits.
     scan_layers=False,
   )
+  return micro_model(model) if arg == "small" else model
