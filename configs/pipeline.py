@@ -2,7 +2,7 @@
 per domain -> self-distillation by rejection sampling -> student SFT from the pre-training checkpoint -> student RL
 on all domains, with a per-domain accuracy table (<workdir>/summary.md).
 
-  python experiments/run.py --config=configs/pipeline.py          # runs/pipeline: 24.5 min on 2 cores (2026-12-02)
+  python experiments/run.py --config=configs/pipeline.py          # runs/pipeline: ~61 min on a slow 2-core VM (2026-12-02)
   python experiments/run.py --config=configs/pipeline.py:small    # the test-suite size: 2.8 min (cold caches)
 The measured table and what falls short of the issue's targets: README, "The post-training pipeline".
 Rerunning the same command resumes at the first unfinished stage; --config.pipeline.dirs.sft=DIR (or any stage)
