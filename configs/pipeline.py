@@ -3,7 +3,7 @@ per domain -> self-distillation by rejection sampling -> student SFT from the pr
 on all domains, with a per-domain accuracy table (<workdir>/summary.md).
 
   python experiments/run.py --config=configs/pipeline.py          # runs/pipeline: ~61 min on a slow 2-core VM (2026-12-02)
-  python experiments/run.py --config=configs/pipeline.py:small    # the test-suite size: 2.8 min (cold caches)
+  python experiments/run.py --config=configs/pipeline.py:small    # the test-suite size: 5.5 min cold on the slow VM
 The measured table and what falls short of the issue's targets: README, "The post-training pipeline".
 Rerunning the same command resumes at the first unfinished stage; --config.pipeline.dirs.sft=DIR (or any stage)
 reuses an existing run.
