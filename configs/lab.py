@@ -14,19 +14,22 @@ and PNG plots (curves overlaid per setting / per objective, grad-norm noise and 
 Knobs of the lab (`lab.*`); the RL knobs themselves are those of configs/mispo.py:
   objectives       the actor losses compared ("mispo,ppo,gspo,tis")
   settings         the mismatch settings, each a rollout engine: fp32 (the training numerics: no mismatch beyond
-                   KV-cache / op-order differences), bf16 (the default engine), noise (bf16 + Gaussian logit noise of
-                   std `noise_scale`), stale (bf16 rollouts from the actor of `stale_steps` generations ago)
-  seeds            seeds of every (objective, setting) run; `multi_seed` lists the "objective:setting" pairs that
-                   also run `extra_seeds` (where the differences are small: the MIS-PO vs PPO headline)
+                   KV-cache / op-order differences), bf16 (the default engine), int8 / fp8 (bf16 with weight-only
+                   quantized matrices), noise (bf16 + Gaussian logit noise of std `noise_scale`), stale (bf16
+                   rollouts from the actor of `stale_steps` generations ago)
+  replay           router replay modes run for every objective x setting: "off", "always" (rl.router_replay)
+  seeds            seeds of every run; `multi_seed` lists the "objective:setting[:replay]" cells that also run
+                   `extra_seeds` (those a conclusion rests on)
   truncation_*     MIS-PO (bf16) with rl.max_new_tokens shrunk until ~`truncation_target` of the SFT policy's
                    responses are cut (measured on `probe_prompts` x samples_per_prompt samples), for each mode in
                    `truncation_modes`; seeds = seeds + extra_seeds
   probe_*          the routing-confidence probe: one batch sampled from the SFT policy per engine setting
-                   (fp32, bf16, bf16 + each noise in `probe_noise`), scored by the training engine
-The router is frozen in SFT (report §5, docs/training.md §2) and in RL (rl.freeze_router), so in this toy it stays
-at its random init (Sigma_k 0.2807 everywhere).
-For routing studies train it: --config.train.freeze_router=False --config.rl.freeze_router=False (with
---workdir elsewhere: the SFT checkpoint differs); e.g. with --parts=probe, 5 min: Sigma_k 0.398.
+                   (fp32, bf16, bf16 with int8 / fp8 weights, bf16 + each noise in `probe_noise`), scored by the
+                   training engine; per MoE layer Sigma_k against the expert-flip rate
+The full lab's SFT starts from the pre-training stage (<workdir>/sft/pretrain, or train.init_from), whose router is
+trained; SFT and RL then freeze it (report §5, docs/training.md §2). lab.sft_workdir may name any SFT run that
+started from pre-training, e.g. the pipeline's: --config.lab.sft_workdir=runs/pipeline/sft (README's table).
+The small lab keeps the router at its random init (Sigma_k 0.28).
 """
 
 import ml_collections
@@ -39,7 +42,9 @@ def get_config(arg: str = ""):
   if arg not in ("", "small"):
     raise ValueError(f"configs/lab.py: unknown variant {arg!r} (use '' or 'small')")
   small = arg == "small"
-  c = mispo.get_config("small" if small else "")
+  # The world (issue 13): full = SFT from the pre-training stage (configs/pretrain.py: router trained to Sigma_k
+  # ~0.6, then frozen as in the report); small keeps the random-init router to stay within the test budget.
+  c = mispo.get_config("small" if small else "pretrained")
   # The SFT checkpoint every variant starts from (<workdir>/sft, trained once).
   if small:  # (the 4-layer model of every small mode: configs/model/tiny.py)
     c.train.steps = c.train.eval_every = c.train.checkpoint_every = 30
@@ -64,19 +69,24 @@ def get_config(arg: str = ""):
 
   c.lab = l = ml_collections.ConfigDict()
   l.objectives = "mispo,ppo" if small else "mispo,ppo,gspo,tis"
-  l.settings = "bf16,noise" if small else "fp32,bf16,noise,stale"
+  # rollout engines (mismatch_lab.setting_overrides): bf16, int8 (bf16 with int8 weights, per-channel scales: what
+  # production RL stacks serve rollouts with), stale; also fp32, fp8, noise
+  l.settings = "int8" if small else "bf16,int8,stale"
+  l.replay = "off,always"  # router replay off / always for every objective x setting (rl.router_replay)
   l.noise_scale = 0.5  # logit-noise std; on the SFT policy mean |dlogp| 0.0008 (bf16) -> 0.016 (+noise),
   # MIS trajectory keep 0.90 -> 0.42 (probe.md)
   l.stale_steps = 2  # rollouts from the actor of 2 generations ago
   l.seeds = "0"
   l.extra_seeds = "" if small else "1,2"
-  l.multi_seed = "" if small else "mispo:bf16,ppo:bf16"
+  # the cells the README's conclusions rest on (objective:setting[:replay]): MIS-PO vs PPO noise, GSPO's plateau,
+  # what replay changes
+  l.multi_seed = "" if small else "mispo:int8,ppo:int8,gspo:int8,mispo:int8:replay"
   l.truncation_modes = "bootstrap,zero"
   l.truncation_target = 0.2
   l.truncation_steps = r.steps
   l.probe_prompts = r.prompts_per_step  # x samples_per_prompt responses: the RL batch (same compiled engine)
   l.probe_batches = 1 if small else 2
-  l.probe_noise = "0.5" if small else "0.05,0.2,0.5,1.0"
+  l.probe_noise = "" if small else "0.05,0.2,0.5,1.0"  # small: the quantized engines' compilations instead
   l.sft_workdir = ""  # "" = <workdir>/sft; or an SFT run of the same config to reuse
   # persistent XLA cache ("" = off): variants of one objective compile once, reruns start fast
   l.compile_cache = cache_dir("xla")

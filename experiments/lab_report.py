@@ -56,6 +56,8 @@ COLUMNS = [  # (table header, row key); the markdown table shows these, the CSVs
   ("kept", "kept"),
   ("abs dlogp mean", "logp_diff_mean"),
   ("abs dlogp max", "logp_diff_max"),
+  ("abs dlogp no replay", "logp_diff_noreplay"),
+  ("flips", "flip_rate"),
   ("entropy first", "entropy_first"),
   ("entropy last", "entropy_last"),
   ("kl", "kl"),
@@ -103,6 +105,11 @@ def run_row(v: dict, workdir: str) -> dict:
     kept=_mean(recs, "kept_frac") if v["objective"] in ("mispo", "gspo") else 1.0,
     logp_diff_mean=_mean(recs, "logp_abs_diff_mean"),
     logp_diff_max=max(r.get("logp_abs_diff_max", float("nan")) for r in recs),
+    # with router replay: the mismatch the training pass would have without it (same samples); else = the above
+    logp_diff_noreplay=_mean(
+      recs, "logp_abs_diff_mean_noreplay" if meta["rl"].get("router_replay") == "always" else "logp_abs_diff_mean"
+    ),
+    flip_rate=_mean(recs, "flip_rate"),
     entropy_first=_mean(recs, "entropy", slice(0, q)),
     entropy_last=_mean(recs, "entropy", slice(-q, None)),
     kl=_mean(recs, "kl", slice(-q, None)),
@@ -162,7 +169,8 @@ def headline(groups: list[dict], trunc: dict | None, rows: list[dict] = ()) -> l
   g = {r["group"]: r for r in groups}
   sd = lambda r, k: f" ± {r[k + '_sd']:.3g}" if r["seeds"] > 1 else ""
   out = []
-  for setting in ("bf16", "fp32", "noise", "stale"):
+  settings = dict.fromkeys(r["group"].split("/", 1)[1] for r in groups if "trunc" not in r["group"])
+  for setting in settings:
     a, b = g.get(f"mispo/{setting}"), g.get(f"ppo/{setting}")
     if a and b:
       pairs = _paired(rows, a["group"], b["group"], "gn_std")
@@ -174,6 +182,17 @@ def headline(groups: list[dict], trunc: dict | None, rows: list[dict] = ()) -> l
         f"{b['gn_std']:.3g}{sd(b, 'gn_std')} (ratio {a['gn_std'] / max(b['gn_std'], 1e-12):.2f}{per_seed}; "
         f"std/mean {a['gn_cv']:.2f} vs {b['gn_cv']:.2f}; {a['seeds']} / {b['seeds']} seeds)"
       )
+  for off in [r for r in groups if r["group"] + "/replay" in g]:
+    on = g[off["group"] + "/replay"]
+    out.append(
+      f"- {off['group']}, router replay off vs on: expert flips of the training pass {off['flip_rate']:.4f} vs 0 "
+      f"(replayed; {on['flip_rate']:.4f} of the replay runs' tokens would flip without it), abs dlogp "
+      f"{off['logp_diff_mean']:.3g} vs {on['logp_diff_mean']:.3g} ({on['logp_diff_noreplay']:.3g} without replay "
+      f"on the same samples), traj keep {off['traj_keep']:.2f} vs {on['traj_keep']:.2f}, gn std "
+      f"{off['gn_std']:.3g}{sd(off, 'gn_std')} vs {on['gn_std']:.3g}{sd(on, 'gn_std')}, held-out "
+      f"{off['acc_after']:.3f}{sd(off, 'acc_after')} vs {on['acc_after']:.3f}{sd(on, 'acc_after')} "
+      f"({off['seeds']} / {on['seeds']} seeds)"
+    )
   bo, ze = g.get("mispo/bf16/trunc-bootstrap"), g.get("mispo/bf16/trunc-zero")
   if bo and ze:
     diff = lambda k: ", ".join(f"{x - y:+.3f}" for _, x, y in _paired(rows, bo["group"], ze["group"], k))
@@ -186,6 +205,26 @@ def headline(groups: list[dict], trunc: dict | None, rows: list[dict] = ()) -> l
       f"per seed bootstrap - zero: accuracy {diff('acc_after')}, reward {diff('reward_last')}"
     )
   return out
+
+
+def layer_table(probe_rows: list[dict]) -> str:
+  """Per MoE layer: Sigma_k of the training pass over each engine's responses and the expert-flip rate against that
+  engine, then per engine the correlation over layers of Sigma_k with the flip rate (markdown)."""
+  rows = [r for r in probe_rows if r.get("layers")]
+  if not rows:
+    return ""
+  names = list(rows[0]["layers"])
+  table = [{"layer": n, f"Sigma_k ({rows[0]['setting']} samples)": rows[0]["layers"][n]["conf"]} for n in names]
+  for r in rows:
+    for t, n in zip(table, names):
+      t[f"flips {r['setting']}"] = r["layers"][n]["flip"]
+  cols = list(table[0])
+  corr = []
+  for r in rows:
+    c, f = (np.array([r["layers"][n][k] for n in names]) for k in ("conf", "flip"))
+    if c.std() > 0 and f.std() > 0:
+      corr.append(f"{r['setting']} {np.corrcoef(c, f)[0, 1]:+.2f}")
+  return summary_table(table, cols) + "\n\ncorr over layers (Sigma_k, flip rate): " + ", ".join(corr)
 
 
 # ------------------------------------------------------------------------------------------- plots

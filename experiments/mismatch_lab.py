@@ -5,12 +5,14 @@
   add --parts=probe (or probe,truncation, ...) to run only some of the parts below.
 
 One SFT checkpoint (<workdir>/sft, trained once) is the start of every variant (rl.sft_workdir). Then:
-  1. probe: one batch sampled from the SFT policy by each engine setting (fp32, bf16, bf16 + logit noise), scored by
-     the fp32 training engine: |log pi_old - log pi_vllm| statistics, MIS keep fractions, routing confidence
-     Sigma_k of the rollout and of the training pass, and per response its Sigma_k against its mismatch;
+  1. probe: one batch sampled from the SFT policy by each engine setting (fp32, bf16, bf16 with int8 / fp8 weights,
+     bf16 + logit noise), scored by the fp32 training engine: |log pi_old - log pi_vllm| statistics, MIS keep
+     fractions, routing confidence Sigma_k of the rollout and of the training pass, per response its Sigma_k against
+     its mismatch, and per MoE layer Sigma_k against the expert-flip rate (probe_layers.md);
   2. truncation calibration: the response-length distribution of the SFT policy at rl.max_new_tokens gives the
      limit N that cuts ~lab.truncation_target of the responses (measured again at N);
-  3. variants: short RL runs (experiments/run.py's trainer) for every objective x mismatch setting x seed, and
+  3. variants: short RL runs (experiments/run.py's trainer) for every objective x mismatch setting x router replay
+     (lab.replay: off / always) x seed, and
      MIS-PO at the limit N with truncation-aware bootstrapping vs reward 0 (several seeds);
   4. lab_table.md/.csv (one row per variant group, seeds averaged, "mean ± sd" across seeds), lab_runs.csv (one row
      per run), PNG plots (curves overlaid per setting and per objective, grad norms, truncation, routing).
@@ -30,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 
-from experiments.lab_report import group_rows, headline, markdown, plots, run_row, write_csv
+from experiments.lab_report import group_rows, headline, layer_table, markdown, plots, run_row, write_csv
 import jax
 import jax.numpy as jnp
 
@@ -56,6 +58,8 @@ def setting_overrides(lab, setting: str) -> dict:
     "bf16": dict(rollout_dtype="bfloat16"),
     "noise": dict(rollout_dtype="bfloat16", logit_noise=float(lab.noise_scale)),
     "stale": dict(rollout_dtype="bfloat16", max_staleness=int(lab.stale_steps)),
+    "int8": dict(rollout_dtype="bfloat16", rollout_quantize="int8"),
+    "fp8": dict(rollout_dtype="bfloat16", rollout_quantize="fp8"),
   }
   if setting not in table:
     raise ValueError(f"config field 'lab.settings': unknown setting {setting!r}, known: {sorted(table)}")
@@ -68,21 +72,26 @@ def variants(config, trunc_len: int | None) -> list[dict]:
   seeds, extra = split(lab.seeds, int), split(lab.extra_seeds, int)
   multi = set(split(lab.multi_seed))
   out = []
+  replays = split(lab.get("replay", "off"))
+  bad = [r for r in replays if r not in ("off", "always")]
+  if bad:
+    raise ValueError(f"config field 'lab.replay': unknown mode(s) {bad}, known: off, always")
   for obj in split(lab.objectives):
     for setting in split(lab.settings):
-      group = f"{obj}/{setting}"
-      for seed in seeds + (extra if f"{obj}:{setting}" in multi else []):
-        out.append(
-          dict(
-            name=f"{obj}-{setting}-s{seed}",
-            group=group,
-            objective=obj,
-            setting=setting,
-            seed=seed,
-            truncation=config.rl.truncation,
-            rl=dict(objective=obj, **setting_overrides(lab, setting)),
+      for replay in replays:
+        tag = "/replay" if replay == "always" else ""
+        for seed in seeds + (extra if f"{obj}:{setting}{tag.replace('/', ':')}" in multi else []):
+          out.append(
+            dict(
+              name=f"{obj}-{setting}{tag.replace('/', '-')}-s{seed}",
+              group=f"{obj}/{setting}{tag}",
+              objective=obj,
+              setting=setting,
+              seed=seed,
+              truncation=config.rl.truncation,
+              rl=dict(objective=obj, router_replay=replay, **setting_overrides(lab, setting)),
+            )
           )
-        )
   if trunc_len:
     for mode in split(lab.truncation_modes):
       for seed in seeds + extra:
@@ -107,9 +116,9 @@ def variants(config, trunc_len: int | None) -> list[dict]:
 
 
 def run_priority(v: dict):
-  """Run order: seed 0 of MIS-PO / PPO under bf16, the truncation pair, the other bf16 runs, the rest; then seeds."""
+  """Run order: seed 0 of MIS-PO / PPO under int8, the truncation pair, the other int8 runs, the rest; then seeds."""
   trunc = v["name"].startswith("trunc-")
-  rank = 0 if v["group"] in ("mispo/bf16", "ppo/bf16") else 1 if trunc else 2 if v["setting"] == "bf16" else 3
+  rank = 0 if v["group"] in ("mispo/int8", "ppo/int8") else 1 if trunc else 2 if v["setting"] == "int8" else 3
   return (v["seed"], rank)
 
 
@@ -126,8 +135,9 @@ def variant_config(config, v: dict, sft_dir: str):
 
 # ------------------------------------------------------------------------------------------- probe on the SFT policy
 def _sequence_scorer(args, prompt_len, temperature=1.0, top_p=1.0):
-  """jit: (variables, batch) -> logp_old [B, R] (fp32 training engine) and per-response routing confidence [B]
-  (Sigma_k over the response tokens only: a pass over prompt + response minus a prompt-only pass, per sequence)."""
+  """jit: (variables, batch) -> logp_old [B, R] (fp32 training engine), per-response routing confidence [B]
+  (Sigma_k over the response tokens only: a pass over prompt + response minus a prompt-only pass, per sequence),
+  and per MoE layer {layer: Sigma_k} over the response tokens and {layer: expert-flip rate} against the rollout."""
 
   def leaves(st, name):
     return jnp.stack(
@@ -149,10 +159,11 @@ def _sequence_scorer(args, prompt_len, temperature=1.0, top_p=1.0):
 
   @jax.jit
   def score(variables, mb):
-    head, _ = programs.response_heads(args, variables, mb, prompt_len)
+    head, st = programs.response_heads(args, variables, mb, prompt_len)
     conf = jax.vmap(one, in_axes=(None, 0, 0, 0))(variables, mb["tokens"], mb["positions"], mb["segment_ids"])
     logp, _ = programs.response_logp(head, mb["response"], temperature, top_p, entropy=False)
-    return logp, conf  # the rollout's distribution
+    per_layer = programs.response_confidence(st, mb["mask"], prompt_len)  # {MoE layer: Sigma_k}
+    return logp, conf, per_layer, programs.flip_rates(args, st, mb, prompt_len)  # logp: the rollout's distribution
 
   return score
 
@@ -178,11 +189,13 @@ def _probe_samples(engine, variables, batches, score, seed) -> list[dict]:
   for i, prompts in enumerate(batches):
     gen = engine.generate(variables, prompts["tokens"], prompts["lengths"], jax.random.key(seed + i))
     batch = sequences(prompts, gen)
-    logp_old, conf = score(variables, {k: jnp.asarray(v) for k, v in batch.items()})
+    logp_old, conf, layer_conf, flips = score(variables, {k: jnp.asarray(v) for k, v in batch.items()})
     parts.append(
       dict(
         logp_old=np.asarray(logp_old),
         conf=np.asarray(conf),
+        layer_conf={k: float(v) for k, v in layer_conf.items()},
+        flips={k: float(v) for k, v in flips.items()},
         mask=batch["mask"],
         logp_rollout=batch["logp_rollout"],
         truncated=np.asarray(gen["truncated"]),
@@ -204,6 +217,8 @@ def _probe_row(name, dtype, noise, parts, rc) -> dict:
   per_seq = (diff * mask).sum(1) / np.maximum(mask.sum(1), 1)
   traj_ok = np.asarray(info["traj_ok"])
   corr = float(np.corrcoef(conf, per_seq)[0, 1]) if per_seq.std() > 0 and conf.std() > 0 else float("nan")
+  layer_mean = lambda k: {n: float(np.mean([p[k][n] for p in parts])) for n in parts[0][k]}
+  layers = {n: dict(conf=c, flip=layer_mean("flips").get(n, 0.0)) for n, c in layer_mean("layer_conf").items()}
   return dict(
     setting=name,
     dtype=dtype,
@@ -224,6 +239,8 @@ def _probe_row(name, dtype, noise, parts, rc) -> dict:
     conf_kept=float(conf[traj_ok].mean()) if traj_ok.any() else float("nan"),
     conf_filtered=float(conf[~traj_ok].mean()) if (~traj_ok).any() else float("nan"),
     corr_conf_dlogp=corr,
+    flip_rate=float(np.mean([v["flip"] for v in layers.values()])),
+    layers=layers,
     truncation_rate=float(cat("truncated").mean()),
     mean_len=float(mask.sum(1).mean()),
     per_seq_conf=conf.tolist(),
@@ -236,10 +253,11 @@ def probe(config, variables, tok, log=print) -> list[dict]:
   lab, rc, P = config.lab, config.rl, config.data.max_prompt_len
   batches = _prompt_batches(config, tok, config.seed + 1000)
   score = _sequence_scorer(model_lib.as_args(config.model), P, config.rl.temperature, config.rl.top_p)
-  settings = [("fp32", "float32", 0.0), ("bf16", "bfloat16", 0.0)]
-  settings += [(f"bf16+noise{s:g}", "bfloat16", s) for s in split(lab.probe_noise, float)]
+  settings = [("fp32", "float32", 0.0, None), ("bf16", "bfloat16", 0.0, None)]
+  settings += [(f"bf16+{q}", "bfloat16", 0.0, q) for q in ("int8", "fp8")]  # weight-quantized engines
+  settings += [(f"bf16+noise{s:g}", "bfloat16", s, None) for s in split(lab.probe_noise, float)]
   rows = []
-  for name, dtype, noise in settings:
+  for name, dtype, noise, quantize in settings:
     engine = RolloutEngine(
       config.model,
       max_prompt_len=P,
@@ -250,12 +268,14 @@ def probe(config, variables, tok, log=print) -> list[dict]:
       temperature=rc.temperature,
       top_p=rc.top_p,
       logit_noise=noise,
+      quantize=quantize,
     )
     rows.append(_probe_row(name, dtype, noise, _probe_samples(engine, variables, batches, score, config.seed), rc))
     r = rows[-1]
     log(
       f"lab probe {name:>16}: |dlogp| mean {r['logp_diff_mean']:.4f} p99 {r['logp_diff_p99']:.3f} | traj keep "
-      f"{r['traj_keep']:.2f} | Sigma_k rollout {r['conf_rollout']:.4f} train {r['conf_train']:.4f} | "
+      f"{r['traj_keep']:.2f} | flips {r['flip_rate']:.4f} | Sigma_k rollout {r['conf_rollout']:.4f} train "
+      f"{r['conf_train']:.4f} | "
       f"corr(Sigma_k, |dlogp|) {r['corr_conf_dlogp']:+.2f}"
     )
   return rows
@@ -349,6 +369,7 @@ PROBE_COLS = [
   "token_keep",
   "traj_keep",
   "kept",
+  "flip_rate",
   "conf_rollout",
   "conf_train",
   "conf_kept",
@@ -444,7 +465,9 @@ def run_lab(config, workdir: str, log=print, parts=PARTS) -> dict:
   head = headline(groups, trunc, rows)
   write_csv(os.path.join(workdir, "lab_runs.csv"), rows)
   write_csv(os.path.join(workdir, "lab_table.csv"), groups)
-  probe_md = summary_table(probe_rows, PROBE_COLS) if probe_rows else ""
+  probe_md = (
+    summary_table(probe_rows, PROBE_COLS) + "\n\nPer MoE layer:\n\n" + layer_table(probe_rows) if probe_rows else ""
+  )
   if probe_rows:
     write_csv(os.path.join(workdir, "probe.csv"), probe_rows, PROBE_COLS)
   png = plots(workdir, vs, rows, probe_rows)

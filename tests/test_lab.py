@@ -42,26 +42,33 @@ def test_variants_full(configs):
   c = configs[""]
   vs = lab.variants(c, trunc_len=31)
   names = [v["name"] for v in vs]
-  assert len(names) == len(set(names)) == 4 * 4 + 2 * 2 + 2 * 3  # + 2 extra seeds x 2 pairs, 2 modes x 3 seeds
+  # 4 objectives x 3 settings x replay off / always, + 2 extra seeds x 4 cells, 2 truncation modes x 3 seeds
+  assert len(names) == len(set(names)) == 4 * 3 * 2 + 2 * 4 + 2 * 3
   by = {v["name"]: v for v in vs}
-  assert by["mispo-fp32-s0"]["rl"] == dict(objective="mispo", rollout_dtype="float32")
-  assert by["tis-noise-s0"]["rl"] == dict(objective="tis", rollout_dtype="bfloat16", logit_noise=c.lab.noise_scale)
+  assert by["mispo-bf16-s0"]["rl"] == dict(objective="mispo", router_replay="off", rollout_dtype="bfloat16")
+  assert by["tis-int8-replay-s0"]["rl"] == dict(
+    objective="tis", router_replay="always", rollout_dtype="bfloat16", rollout_quantize="int8"
+  )
+  assert by["tis-int8-replay-s0"]["group"] == "tis/int8/replay"
   assert by["gspo-stale-s0"]["rl"]["max_staleness"] == c.lab.stale_steps
-  assert {v["seed"] for v in vs if v["group"] == "ppo/bf16"} == {0, 1, 2}
+  for group, seeds in (("ppo/int8", {0, 1, 2}), ("mispo/int8/replay", {0, 1, 2}), ("ppo/int8/replay", {0})):
+    assert {v["seed"] for v in vs if v["group"] == group} == seeds, group
   assert {v["seed"] for v in vs if v["group"] == "gspo/bf16"} == {0}
   t = by["trunc-zero-n31-s2"]
   assert t["rl"]["max_new_tokens"] == 31 and t["rl"]["truncation"] == "zero" and t["group"] == "mispo/bf16/trunc-zero"
   order = [v["name"] for v in sorted(vs, key=lab.run_priority)]
-  assert order[:4] == ["mispo-bf16-s0", "ppo-bf16-s0", "trunc-bootstrap-n31-s0", "trunc-zero-n31-s0"]
-  assert len(lab.variants(c, None)) == 20
+  assert order[:4] == ["mispo-int8-s0", "ppo-int8-s0", "trunc-bootstrap-n31-s0", "trunc-zero-n31-s0"]
+  assert len(lab.variants(c, None)) == 32
   cfg = lab.variant_config(c, t, "/x/sft")
   assert (cfg.seed, cfg.rl.max_new_tokens, cfg.rl.truncation, cfg.rl.sft_workdir) == (2, 31, "zero", "/x/sft")
   assert c.rl.max_new_tokens == 64 and c.seed == 0  # the lab config itself is untouched
-  bad = c.copy_and_resolve_references()
-  with bad.unlocked():
-    bad.lab.settings = "bf16,warp"
-  with pytest.raises(ValueError, match="lab.settings"):
-    lab.variants(bad, None)
+  assert c.pretrain.job == "pretrain" and c.train.freeze_router and c.rl.freeze_router  # SFT from pre-training
+  for field, value in (("settings", "bf16,warp"), ("replay", "off,sometimes")):
+    bad = c.copy_and_resolve_references()
+    with bad.unlocked():
+      bad.lab[field] = value
+    with pytest.raises(ValueError, match=f"lab.{field}"):
+      lab.variants(bad, None)
 
 
 def test_truncation_limit():
@@ -99,3 +106,23 @@ def test_group_rows_and_markdown():
   assert "per seed" not in head[0]  # one common seed only
   ratios = [rows[4 + s]["gn_std"] / rows[6 + s]["gn_std"] for s in range(2)]  # paired by seed
   assert f"per seed MIS-PO/PPO {ratios[0]:.2f}, {ratios[1]:.2f}" in head[1]
+
+
+def test_replay_headline_and_layer_table():
+  keys = [k for _, k in lab_report.COLUMNS if k not in ("group", "seeds", "max_new_tokens")]
+  rows = []
+  for g in ("mispo/int8", "mispo/int8/replay"):
+    r = dict(group=g, objective="mispo", setting="int8", truncation="bootstrap", max_new_tokens=64, seed=0)
+    r.update({k: 0.5 for k in keys}, flip_rate=0.0 if "replay" in g else 0.0123)
+    rows.append(r)
+  head = lab_report.headline(lab_report.group_rows(rows), None, rows)
+  assert any(
+    h.startswith("- mispo/int8, router replay off vs on: expert flips of the training pass 0.0123 vs 0") for h in head
+  )
+  conf, flips = np.array([0.4, 0.55, 0.7]), np.array([0.03, 0.02, 0.004])
+  layers = {f"layer_{i}": dict(conf=float(c), flip=float(f)) for i, (c, f) in enumerate(zip(conf, flips))}
+  probe = [dict(setting="bf16", layers=layers), dict(setting="bf16+int8", layers=layers)]
+  md = lab_report.layer_table(probe)
+  assert md.count("layer_") == 3 and "flips bf16+int8" in md
+  assert f"bf16 {np.corrcoef(conf, flips)[0, 1]:+.2f}" in md
+  assert lab_report.layer_table([dict(setting="fp32")]) == ""

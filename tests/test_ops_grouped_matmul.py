@@ -154,3 +154,28 @@ def test_pallas_dispatch_matches_reference():
   lhs, rhs, gs = _data(256, 128, 128, [100, 0, 120, 20], seed=8)
   got = gmm(lhs, rhs, gs, implementation="pallas")
   np.testing.assert_allclose(np.asarray(got), _numpy_gmm(lhs, rhs, [100, 0, 120, 20]), rtol=2e-3, atol=2e-2)
+
+
+@pytest.mark.parametrize("m, e, none_frac", [(64, 4, 0.0), (200, 8, 0.25), (5, 8, 0.4)])
+def test_expert_ffn_tiled_layout_matches_reference(m, e, none_frac):
+  """model.mlp.routed_experts: "xla" (the whole FFN in one padded-tile layout) against "reference" (three masked
+  grouped matmuls), forward and gradients, with rows of "no expert" (id E: output and gradient 0)."""
+  from stepflash_jax.model.mlp import routed_experts
+
+  k = jax.random.split(jax.random.key(3), 5)
+  h, f = 16, 8
+  rows = jax.random.normal(k[0], (m, h))
+  expert = jnp.where(jax.random.uniform(k[1], (m,)) < none_frac, e, jax.random.randint(k[2], (m,), 0, e))
+  ws = [jax.random.normal(kk, s) * 0.3 for kk, s in zip(jax.random.split(k[3], 3), [(e, h, f), (e, h, f), (e, f, h)])]
+  cot = jax.random.normal(k[4], (m, h))
+
+  def run(impl):
+    fn = lambda r, *w: jnp.sum(routed_experts(r, expert, *w, 1.5, impl) * cot)
+    return routed_experts(rows, expert, *ws, 1.5, impl), jax.grad(fn, argnums=(0, 1, 2, 3))(rows, *ws)
+
+  (y, g), (y_ref, g_ref) = run("xla"), run("reference")
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  for a, b in zip(g, g_ref):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  none = np.asarray(expert == e)
+  assert not np.any(np.asarray(y)[none]) and not np.any(np.asarray(g[0])[none])

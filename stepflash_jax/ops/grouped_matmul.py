@@ -13,6 +13,8 @@ Implementations (``implementation=``):
                batched einsum multiplies every tile by its group's rhs, and a second gather brings the rows back.
                The row moves are permutations, so their gradients are gathers too (custom_vjp: no scatter-add);
                the rhs gather is plain autodiff (a custom_vjp there breaks shard_map's varying-axis types).
+               `tile_layout` / `tile_matmul` are the two halves; the model's expert FFN (model/mlp.py) runs all
+               three of its matmuls in one such layout.
   "pallas"     pallas_kernels.grouped_matmul.gmm (Mosaic on TPU, Triton on GPU, interpreted on CPU).
   None         "pallas" on TPU, "xla" elsewhere (ops.common.resolve_implementation).
 (jax.lax.ragged_dot would be the obvious XLA choice, but on CPU it costs as much as running every group densely.)
@@ -64,23 +66,22 @@ def _take_rows_bwd(res, g):
 take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
-def tiled_grouped_matmul(lhs, rhs, group_sizes, *, tile_m=None):
-  """Padded-tile grouped matmul in plain XLA (see module docstring)."""
-  m, k = lhs.shape
-  g, _, n = rhs.shape
+def tile_layout(group_sizes, m: int, tile_m: int | None = None):
+  """The padded-tile layout of m rows sorted by group (group_sizes [G], sum <= m): every group starts on a tile
+  boundary of tm rows. -> (src [P] int32: the row at each padded slot, m = empty; dest [m] int32: each row's padded
+  slot, P = none (rows past sum(group_sizes)); tile_group [W] int32: the group of each tile), P = W * tm,
+  W = (m + G * (tm - 1)) // tm (the worst case over group sizes summing to <= m)."""
+  g = group_sizes.shape[0]
   tm = _default_tile_m(m, g) if tile_m is None else int(tile_m)
   if tm <= 0:
     raise ValueError(f"tile_m must be positive, got {tile_m!r}")
-  num_tiles = (m + g * (tm - 1)) // tm  # sum_g ceil(size_g / tm) <= this for any sizes summing to <= m
-  rows = num_tiles * tm
-
+  rows = (m + g * (tm - 1)) // tm * tm
   sizes = group_sizes.astype(jnp.int32)
   ends = jnp.cumsum(sizes)
   starts = ends - sizes
   padded = (sizes + tm - 1) // tm * tm
   pends = jnp.cumsum(padded)
   pstarts = pends - padded
-  # Padded row p holds row src[p] of lhs (m: a zero row); lhs row i goes to padded row dest[i] (rows: nowhere).
   p = jnp.arange(rows, dtype=jnp.int32)
   pg = jnp.minimum(jnp.searchsorted(pends, p, side="right"), g - 1).astype(jnp.int32)
   r = p - pstarts[pg]
@@ -88,11 +89,23 @@ def tiled_grouped_matmul(lhs, rhs, group_sizes, *, tile_m=None):
   i = jnp.arange(m, dtype=jnp.int32)
   ig = jnp.minimum(jnp.searchsorted(ends, i, side="right"), g - 1).astype(jnp.int32)
   dest = jnp.where(i < ends[-1], pstarts[ig] + i - starts[ig], rows)
+  return src, dest, pg[::tm]
 
-  x = take_rows(lhs, src, dest).reshape(num_tiles, tm, k)
-  w = rhs[pg[::tm]]  # [W, K, N]: the group of each tile
-  y = jnp.einsum("wmk,wkn->wmn", x, w, preferred_element_type=jnp.float32).astype(lhs.dtype)
-  return take_rows(y.reshape(rows, n), dest, src)
+
+def tile_matmul(x, rhs, tile_group):
+  """x [W, tm, K] (tile w of group tile_group[w]) @ rhs [G, K, N] -> [W, tm, N]: one batched einsum, fp32
+  accumulation, x.dtype out. The rhs gather is plain autodiff (a custom_vjp there breaks shard_map's varying-axis
+  types)."""
+  y = jnp.einsum("wmk,wkn->wmn", x, rhs[tile_group], preferred_element_type=jnp.float32)
+  return y.astype(x.dtype)
+
+
+def tiled_grouped_matmul(lhs, rhs, group_sizes, *, tile_m=None):
+  """Padded-tile grouped matmul in plain XLA (see module docstring)."""
+  m, k = lhs.shape
+  src, dest, tile_group = tile_layout(group_sizes, m, tile_m)
+  x = take_rows(lhs, src, dest).reshape(tile_group.shape[0], -1, k)
+  return take_rows(tile_matmul(x, rhs, tile_group).reshape(src.shape[0], -1), dest, src)
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, implementation=None, tile_m=None):
@@ -116,4 +129,11 @@ def grouped_matmul(lhs, rhs, group_sizes, *, implementation=None, tile_m=None):
   return tiled_grouped_matmul(lhs, rhs, group_sizes, tile_m=tile_m)
 
 
-__all__ = ["grouped_matmul", "reference_grouped_matmul", "take_rows", "tiled_grouped_matmul"]
+__all__ = [
+  "grouped_matmul",
+  "reference_grouped_matmul",
+  "take_rows",
+  "tile_layout",
+  "tile_matmul",
+  "tiled_grouped_matmul",
+]
