@@ -1,11 +1,11 @@
 """The mismatch lab (docs/rl.md): short RL runs from ONE SFT checkpoint under controlled train/inference mismatch.
 
-  python experiments/mismatch_lab.py --config=configs/lab.py [--workdir=runs/lab]         # full: ~45 min here
-  python experiments/mismatch_lab.py --config=configs/lab.py:small --workdir=/tmp/lab     # ~2.5 min (1.5 min warm)
-Measured on this 2-core CPU: full = 38 min for the probe, the truncation calibration and the 26 RL variants
-(~75 s each when the machine is not shared, 2-5 min when it is), plus the 300 SFT steps (~6 min) unless <workdir>/sft
-already holds that checkpoint (the main job's runs/mispo/sft is the same SFT: copy it there or set lab.sft_workdir).
-small = 2.6 min with cold caches (tokenizer, XLA), 1.4 min with a warm XLA cache (lab.compile_cache).
+  python experiments/mismatch_lab.py --config=configs/lab.py [--workdir=runs/lab]         # full: ~1.5 h here
+  python experiments/mismatch_lab.py --config=configs/lab.py:small --workdir=/tmp/lab     # ~3-5 min
+Measured 2026-12-03 on a 2-core Intel Xeon VM: ~2 min per RL variant when the machine is not shared (the 6
+truncation runs: 12.5 min), 3-4 min when it is (the probe and 14 int8 runs beside a pipeline run: 46 min); the full
+grid is 38 runs, plus pre-training (~9 min) and SFT (~6 min) unless lab.sft_workdir names a finished SFT run
+(README's table: --config.lab.sft_workdir=runs/pipeline/sft). small: 4.7 min while another job shared the cores.
 Rerunning the same command skips finished variants and resumes an interrupted one from its checkpoint. Outputs in the
 workdir: lab_table.md / lab_table.csv (one row per variant group, seeds averaged, "mean ± sd" over seeds; the probe
 table and the headline comparisons are in lab_table.md too), lab_runs.csv (one row per run), probe.csv, truncation.json

@@ -1,7 +1,7 @@
 """The mismatch lab (docs/rl.md): MIS-PO, PPO, GSPO and TIS under controlled train/inference mismatch.
 
-  python experiments/mismatch_lab.py --config=configs/lab.py [--workdir=runs/lab]        # ~45 min on 2 CPU cores
-  python experiments/mismatch_lab.py --config=configs/lab.py:small --workdir=/tmp/lab    # ~2.5 min smoke run
+  python experiments/mismatch_lab.py --config=configs/lab.py [--workdir=runs/lab]        # ~1.5 h on 2 CPU cores
+  python experiments/mismatch_lab.py --config=configs/lab.py:small --workdir=/tmp/lab    # ~3-5 min smoke run
   add --parts=probe (or probe,truncation, ...) to run only some of the parts below.
 
 One SFT checkpoint (<workdir>/sft, trained once) is the start of every variant (rl.sft_workdir). Then:
