@@ -8,7 +8,7 @@ One SFT checkpoint (<workdir>/sft, trained once) is the start of every variant (
   1. probe: one batch sampled from the SFT policy by each engine setting (fp32, bf16, bf16 with int8 / fp8 weights,
      bf16 + logit noise), scored by the fp32 training engine: |log pi_old - log pi_vllm| statistics, MIS keep
      fractions, routing confidence Sigma_k of the rollout and of the training pass, per response its Sigma_k against
-     its mismatch, and per MoE layer Sigma_k against the expert-flip rate (probe_layers.md);
+     its mismatch, and per MoE layer Sigma_k against the expert-flip rate (lab_report.layer_table);
   2. truncation calibration: the response-length distribution of the SFT policy at rl.max_new_tokens gives the
      limit N that cuts ~lab.truncation_target of the responses (measured again at N);
   3. variants: short RL runs (experiments/run.py's trainer) for every objective x mismatch setting x router replay
@@ -79,12 +79,12 @@ def variants(config, trunc_len: int | None) -> list[dict]:
   for obj in split(lab.objectives):
     for setting in split(lab.settings):
       for replay in replays:
-        tag = "/replay" if replay == "always" else ""
-        for seed in seeds + (extra if f"{obj}:{setting}{tag.replace('/', ':')}" in multi else []):
+        parts = [obj, setting] + (["replay"] if replay == "always" else [])  # e.g. mispo/int8/replay
+        for seed in seeds + (extra if ":".join(parts) in multi else []):
           out.append(
             dict(
-              name=f"{obj}-{setting}{tag.replace('/', '-')}-s{seed}",
-              group=f"{obj}/{setting}{tag}",
+              name="-".join(parts + [f"s{seed}"]),
+              group="/".join(parts),
               objective=obj,
               setting=setting,
               seed=seed,
