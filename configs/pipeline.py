@@ -55,7 +55,7 @@ def get_config(arg: str = ""):
   d.prompts = 16 if small else 4096
   d.samples = 4  # responses per prompt at rl.temperature
   # at most this many distinct accepted responses per prompt: 2 (1 left the countdown student 7 points below its
-  # expert on ~2700 examples; the second response adds ~2100 countdown and ~60 arithmetic examples, README)
+  # expert on ~2700 examples; the second response adds ~1300 countdown and ~50 arithmetic examples, README)
   d.keep = 2
   # in order; the first that rejects a response counts it (small: the few-step experts are never right, so "correct"
   # is left out to keep data for the student)
