@@ -55,6 +55,7 @@ def main(argv):
     from stepflash_jax.caches import enable_compile_cache
 
     enable_compile_cache(None if _COMPILE_CACHE.value == "default" else _COMPILE_CACHE.value)
+  from stepflash_jax.config import ConfigError
   from stepflash_jax.hf import resolve_model
   from stepflash_jax.train.validate import validate_run_config
 
@@ -72,22 +73,25 @@ def main(argv):
     sys.exit(f"error: {e}")
   workdir = _WORKDIR.value or default_workdir(config_flags.get_config_filename(flags.FLAGS["config"]))
   print(f"writing to {os.path.abspath(workdir)}", flush=True)
-  if config.job in ("sft", "pretrain"):
-    from stepflash_jax.train import sft
+  try:
+    if config.job in ("sft", "pretrain"):
+      from stepflash_jax.train import sft
 
-    out = sft.train(config, workdir)
-    done = f"{config.job} done: step {out['step']}"
-    print(done if out["accuracy"] is None else f"{done}, held-out accuracy {out['accuracy']['accuracy']:.3f}")
-  elif config.job == "rl":
-    from stepflash_jax.rl import trainer
+      out = sft.train(config, workdir)
+      done = f"{config.job} done: step {out['step']}"
+      print(done if out["accuracy"] is None else f"{done}, held-out accuracy {out['accuracy']['accuracy']:.3f}")
+    elif config.job == "rl":
+      from stepflash_jax.rl import trainer
 
-    trainer.run(config, workdir)
-  elif config.job == "pipeline":
-    from stepflash_jax.rl import posttrain
+      trainer.run(config, workdir)
+    elif config.job == "pipeline":
+      from stepflash_jax.rl import posttrain
 
-    posttrain.run(config, workdir)
-  else:
-    sys.exit(f"error: config field 'job': unknown job {config.job!r}")
+      posttrain.run(config, workdir)
+    else:
+      sys.exit(f"error: config field 'job': unknown job {config.job!r}")
+  except ConfigError as e:  # a field that does not fit what is on disk (e.g. a reused run's length)
+    sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

@@ -182,6 +182,18 @@ def test_pretrain_then_sft_starts_from_its_weights(tmp_path):
   )
   assert rerun.returncode == 0, rerun.stderr[-2000:]
   assert "sft: resumed from step 2" in rerun.stdout and "starting from the pre-training" not in rerun.stdout
+  # A new SFT run that reuses this pre-training run (train.init_from) with another length: a clear error, and the
+  # reused run is left as it was (it used to be trained on to the new length, in place).
+  before = sorted(os.listdir(pre / "checkpoints")), (pre / "metrics_pretrain.jsonl").read_bytes()
+  other = [a for a in cmd if not a.startswith(("--workdir", "--config.pretrain.train.steps"))] + [
+    f"--workdir={tmp_path / 'sft2'}",
+    f"--config.train.init_from={pre}",
+    "--config.pretrain.train.steps=5",
+  ]
+  bad = subprocess.run(other, env=env, capture_output=True, text=True, timeout=600)
+  assert bad.returncode != 0 and "Traceback" not in bad.stderr
+  assert "config field 'pretrain.train.steps': 5" in bad.stderr and "started with 3 steps" in bad.stderr
+  assert (sorted(os.listdir(pre / "checkpoints")), (pre / "metrics_pretrain.jsonl").read_bytes()) == before
 
 
 def test_bad_pretrain_fields_name_the_field():

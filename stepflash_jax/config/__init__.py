@@ -2,12 +2,13 @@
 modules are built from (args.py), the HF config.json mapping (hf_config.py) and config-file loading (files.py)."""
 
 from stepflash_jax.config.args import LayerSpec, ModelArgs, model_args, rope_inv_freq, scan_plan
-from stepflash_jax.config.checks import EXPERT_PARALLEL, parse_expert_parallel, validate
+from stepflash_jax.config.checks import EXPERT_PARALLEL, ConfigError, parse_expert_parallel, validate
 from stepflash_jax.config.defaults import FULL, IMPLEMENTATIONS, SWA, model_config
 from stepflash_jax.config.files import load_config_file
 from stepflash_jax.config.hf_config import IMPL_KEYS, from_hf_config, to_hf_config
 
 __all__ = [
+  "ConfigError",
   "EXPERT_PARALLEL",
   "FULL",
   "IMPL_KEYS",

@@ -5,6 +5,11 @@ from __future__ import annotations
 from stepflash_jax.config.defaults import FULL, IMPLEMENTATIONS, SWA
 
 
+class ConfigError(ValueError):
+  """A config field that does not fit what is on disk, found when a run starts (e.g. a reused run of another
+  length); experiments/run.py prints it as one line, like the checks before the run."""
+
+
 def _check(cond: bool, field: str, msg: str):
   if not cond:
     raise ValueError(f"model config field '{field}': {msg}")

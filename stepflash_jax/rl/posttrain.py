@@ -123,7 +123,7 @@ def run(config, workdir: str, log=print) -> dict:
 
   sft_out = None
   if "sft" not in table.rows:
-    sft_out = sft.train(base, stage_dir("sft"), log=log)
+    sft_out = sft.train(base, stage_dir("sft"), log=log, reuse="pipeline.dirs.sft" if p.dirs.get("sft") else None)
     record("sft", sft_out["variables"], sft_out["tokenizer"])
   for d in domains:
     name = f"expert_{d}"

@@ -96,7 +96,8 @@ def _run(config, workdir, log, mesh, rules):
   rc = config.rl
   # The SFT stage: trained here on the first run, resumed/reused afterwards; rl.sft_workdir points several RL runs
   # (e.g. the mismatch lab's variants) at one shared SFT run.
-  sft_out = sft.train(config, rc.get("sft_workdir") or os.path.join(workdir, "sft"), log=log)
+  reuse = "rl.sft_workdir" if rc.get("sft_workdir") else None
+  sft_out = sft.train(config, rc.get("sft_workdir") or os.path.join(workdir, "sft"), log=log, reuse=reuse)
   tok, ref, acc0 = sft_out["tokenizer"], sft_out["variables"], sft_out["accuracy"]
   ref = {"params": ref["params"], "router": ref["router"]}
   args = model_lib.as_args(config.model)

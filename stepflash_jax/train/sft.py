@@ -90,15 +90,17 @@ def make_train_step(args, tx, tcfg, lr_fn, mask):
   return step
 
 
-def train(config, workdir: str, log=print, examples=None):
+def train(config, workdir: str, log=print, examples=None, reuse=None):
   """Run (or resume) SFT or pre-training (config.job) into workdir on the mesh of config.mesh; returns
   {"variables", "accuracy" (None for pre-training), "step", "tokenizer"}. A finished run is restored, not retrained.
   With model.hf_dir the model, its weights and its tokenizer come from that checkpoint (hf.resolve_model).
-  `examples` (a list of example dicts, e.g. distilled data) replaces the training data of config.data."""
+  `examples` (a list of example dicts, e.g. distilled data) replaces the training data of config.data.
+  `reuse`: the config field that pointed at workdir (e.g. "rl.sft_workdir") when it is another run reused as a
+  starting point: its recorded length must then equal train.steps (it is resumed, never extended or cut)."""
   config = hf.resolve_model(config)
   mesh, rules = parallel.make_mesh(config.mesh), parallel.rules(config)
   with parallel.use_mesh(mesh, rules):
-    return _train(config, workdir, log, mesh, rules, examples)
+    return _train(config, workdir, log, mesh, rules, examples, reuse)
 
 
 def _start_variables(config, workdir, log, mesh, rules):
@@ -113,10 +115,21 @@ def _start_variables(config, workdir, log, mesh, rules):
     return state_lib.init_variables(model_lib.as_args(config.model), jax.random.key(config.seed), mesh, rules)
   pre_dir = config.train.get("init_from") or os.path.join(workdir, "pretrain")
   log(f"sft: starting from the pre-training run in {pre_dir}")
-  return _train(config.pretrain, pre_dir, log, mesh, rules)["variables"]
+  return _train(config.pretrain, pre_dir, log, mesh, rules, reuse="train.init_from")["variables"]
 
 
-def _train(config, workdir, log, mesh, rules, examples=None):
+def _check_reuse(extra, steps, workdir, stage, reuse, field):
+  """A reused run (train(reuse=...)) trains on only under the length it was started with: another length would
+  change its schedule and its checkpoints, which other runs may be using (ConfigError naming both fields)."""
+  recorded = extra.get("steps")
+  if reuse and recorded is not None and recorded != steps:
+    raise config_lib.ConfigError(
+      f"config field '{field}': {steps}, but the {stage} run in {workdir} (named by '{reuse}') was started with "
+      f"{recorded} steps; a reused run is never extended or cut: set {field}={recorded} or name a new directory"
+    )
+
+
+def _train(config, workdir, log, mesh, rules, examples=None, reuse=None):
   os.makedirs(workdir, exist_ok=True)
   args = model_lib.as_args(config.model)
   t = config.train
@@ -149,6 +162,7 @@ def _train(config, workdir, log, mesh, rules, examples=None):
   }
   if start is not None:
     state, extra = ckpt.restore(start, target=state)
+    _check_reuse(extra, t.steps, workdir, stage, reuse, "pretrain.train.steps" if pretrain else "train.steps")
     if start < t.steps:  # (a finished run may be reused with another data pipeline, e.g. by the RL stage)
       it.set_state(extra["data"])
     log(f"{stage}: resumed from step {start} in {workdir}")
@@ -175,7 +189,7 @@ def _train(config, workdir, log, mesh, rules, examples=None):
     writer.write(step + 1, metrics)
     prog.update(step + 1, metrics)
     if due(step + 1, t.checkpoint_every, t.steps):
-      ckpt.save(step + 1, state, {"data": it.get_state()}, force=True)
+      ckpt.save(step + 1, state, {"data": it.get_state(), "steps": t.steps}, force=True)
   writer.close()
   ckpt.wait()
   shown = ["routing/confidence", "routing/load_imbalance", "routing/bias_norm"] if pretrain else ["eval/accuracy"]
