@@ -32,6 +32,7 @@ def get_config(arg: str = ""):
 
   c.rl = r = ml_collections.ConfigDict()
   r.objective = "mispo"  # "mispo" | "ppo" | "gspo" | "tis"
+  r.mixture = ""  # RL prompts and held-out problems: "" = data.mixture (the SFT stage's)
   r.steps = 4 if small else 36  # generations; one epoch over each (~30 s each on 2 cores)
   r.prompts_per_step = 8 if small else 24
   r.samples_per_prompt = 6 if small else 8  # report: 16 per reasoning prompt; 192 responses per generation here

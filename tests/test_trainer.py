@@ -224,6 +224,25 @@ def test_normalizer_applies_to_every_objective(setup, objective, monkeypatch):
   assert seen == ["kept", "valid"]  # the trainer passes rl.normalizer to every objective
 
 
+def test_rl_mixture_is_checked_and_long_config_is_valid():
+  """rl.mixture (RL prompts other than the SFT data) names itself when bad; configs/long.py validates in both modes
+  and runs RL on 3-digit long multiplication with a budget that fits its ~210-token answers."""
+  from stepflash_jax.data import tasks
+  from stepflash_jax.data.hf_tokenizer import tokenizer_for
+  from stepflash_jax.train.validate import validate_run_config
+
+  for mode in ("small", None):
+    cfg = load_config_file(os.path.join(ROOT, "configs", "long.py"), mode)
+    validate_run_config(cfg)
+  answer = tasks.generate("longmul", 0, 3, "test")["answer"]
+  tok = tokenizer_for(cfg)
+  assert 150 <= len(tok.encode(answer)) <= cfg.rl.max_new_tokens - 16
+  assert [c.family for c in tasks.parse_mixture(cfg.rl.mixture)] == ["longmul"]
+  cfg.rl.mixture = "longmul:9:1"
+  with pytest.raises(ValueError, match="config field 'rl.mixture'"):
+    validate_run_config(cfg)
+
+
 def test_kl_start_schedule_and_validation(setup):
   from stepflash_jax.train.validate import validate_run_config
 
@@ -280,6 +299,7 @@ def test_mismatch_stats_match_numpy(setup):
   np.testing.assert_allclose(got["logp_abs_diff_mean"], d.mean(), rtol=1e-5)
   np.testing.assert_allclose(got["logp_abs_diff_max"], d.max(), rtol=1e-5)
   np.testing.assert_allclose(got["log_rho_abs_mean"], np.abs(log_rho).mean(), rtol=1e-5)
+  np.testing.assert_allclose(got["log_seq_ratio_abs_mean"], np.abs(log_x[:4].sum(1)).mean(), rtol=1e-5)
   np.testing.assert_allclose(got["mis_token_keep_frac"], tok_ok.sum() / mask.sum(), rtol=1e-6)
   np.testing.assert_allclose(got["mis_traj_keep_frac"], traj_ok.mean(), rtol=1e-6)
   np.testing.assert_allclose(got["mis_kept_frac"], (tok_ok[:4] & traj_ok[:, None]).sum() / mask.sum(), rtol=1e-6)

@@ -113,7 +113,9 @@ def accumulate(loss_fn, params, mb, micro: int):
 def mismatch_stats(rcfg, mb) -> dict:
   """Train/inference mismatch of a mini-batch, logged for every objective (PPO and TIS ignore pi_vllm; for them the
   MIS fractions say what MIS-PO would keep): |log pi_old - log pi_vllm| mean / max over valid tokens, mean
-  |log rho| over non-empty responses, MIS token / trajectory / joint keep fractions. All constants of the update."""
+  |log rho| over non-empty responses (rho: the geometric mean of x_t), mean |sum_t log x_t| (the log of the whole
+  response's ratio prod_t x_t: it grows with the length, which the geometric mean does not), MIS token /
+  trajectory / joint keep fractions. All constants of the update."""
   keep, info = losses.mis_mask(
     mb["logp_old"], mb["logp_rollout"], mb["mask"], tuple(rcfg.token_bounds), tuple(rcfg.traj_bounds)
   )
@@ -123,6 +125,7 @@ def mismatch_stats(rcfg, mb) -> dict:
     "logp_abs_diff_mean": ad.sum() / n,
     "logp_abs_diff_max": ad.max(),
     "log_rho_abs_mean": jnp.abs(info["log_rho"]).sum() / n_seq,
+    "log_seq_ratio_abs_mean": jnp.abs(info["log_x"].sum(-1)).sum() / n_seq,
     "mis_token_keep_frac": info["token_ok"].sum() / n,
     "mis_traj_keep_frac": info["traj_ok"].sum() / n_seq,
     "mis_kept_frac": keep.sum() / n,

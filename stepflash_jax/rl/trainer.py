@@ -92,17 +92,29 @@ def rollout_engine(config, tok) -> RolloutEngine:
   )
 
 
+def sft_stage(config, workdir, log):
+  """The SFT stage: trained in <workdir>/sft on the first run, resumed / reused afterwards (rl.sft_workdir points
+  several RL runs, e.g. the mismatch lab's variants, at one SFT run). With rl.mixture the RL prompts and held-out
+  problems come from that mixture instead of data.mixture. -> (config for RL, tokenizer, reference variables,
+  the SFT policy's held-out accuracy, the held-out problems)."""
+  rc = config.rl
+  reuse = "rl.sft_workdir" if rc.get("sft_workdir") else None
+  out = sft.train(config, rc.get("sft_workdir") or os.path.join(workdir, "sft"), log=log, reuse=reuse)
+  tok, ref, acc0 = out["tokenizer"], out["variables"], out["accuracy"]
+  ref = {"params": ref["params"], "router": ref["router"]}
+  if rc.get("mixture") and rc.mixture != config.data.mixture:  # e.g. SFT on 2-3 digit, RL on 3-digit problems
+    config = config.copy_and_resolve_references()
+    config.data.mixture = rc.mixture
+    eval_set = evaluate.heldout_examples(config, tok)
+    return config, tok, ref, evaluate.accuracy(config, ref, tok, eval_set), eval_set
+  return config, tok, ref, acc0, evaluate.heldout_examples(config, tok)
+
+
 def _run(config, workdir, log, mesh, rules):
   rc = config.rl
-  # The SFT stage: trained here on the first run, resumed/reused afterwards; rl.sft_workdir points several RL runs
-  # (e.g. the mismatch lab's variants) at one shared SFT run.
-  reuse = "rl.sft_workdir" if rc.get("sft_workdir") else None
-  sft_out = sft.train(config, rc.get("sft_workdir") or os.path.join(workdir, "sft"), log=log, reuse=reuse)
-  tok, ref, acc0 = sft_out["tokenizer"], sft_out["variables"], sft_out["accuracy"]
-  ref = {"params": ref["params"], "router": ref["router"]}
+  config, tok, ref, acc0, eval_set = sft_stage(config, workdir, log)
   args = model_lib.as_args(config.model)
   P = config.data.max_prompt_len
-  eval_set = evaluate.heldout_examples(config, tok)
   log(f"rl: SFT held-out accuracy {acc0['accuracy']:.3f}")
   reward = reward_training.reward_for(config, workdir, ref, tok, mesh, rules, log)  # learned ones trained here
   acc0, held_out = evaluator(config, tok, eval_set, ref, acc0)

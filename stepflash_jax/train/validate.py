@@ -115,6 +115,11 @@ def _check_rl(c):
   r = c.rl
   if r.objective not in OBJECTIVES:
     _err("rl.objective", f"must be one of {OBJECTIVES}, got {r.objective!r}")
+  if r.get("mixture"):
+    try:
+      tasks.parse_mixture(r.mixture)
+    except (ValueError, KeyError) as e:
+      _err("rl.mixture", str(e))
   _positive(
     c,
     "rl",
