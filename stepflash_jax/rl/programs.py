@@ -114,8 +114,8 @@ def mismatch_stats(rcfg, mb) -> dict:
   """Train/inference mismatch of a mini-batch, logged for every objective (PPO and TIS ignore pi_vllm; for them the
   MIS fractions say what MIS-PO would keep): |log pi_old - log pi_vllm| mean / max over valid tokens, mean
   |log rho| over non-empty responses (rho: the geometric mean of x_t), mean |sum_t log x_t| (the log of the whole
-  response's ratio prod_t x_t: it grows with the length, which the geometric mean does not), MIS token /
-  trajectory / joint keep fractions. All constants of the update."""
+  response's ratio prod_t x_t: at equal per-token mismatch it grows with the length, the geometric mean does not),
+  MIS token / trajectory / joint keep fractions. All constants of the update."""
   keep, info = losses.mis_mask(
     mb["logp_old"], mb["logp_rollout"], mb["mask"], tuple(rcfg.token_bounds), tuple(rcfg.traj_bounds)
   )
