@@ -111,8 +111,8 @@ def sft_stage(config, workdir, log):
 
 
 def _run(config, workdir, log, mesh, rules):
-  rc = config.rl
   config, tok, ref, acc0, eval_set = sft_stage(config, workdir, log)
+  rc = config.rl
   args = model_lib.as_args(config.model)
   P = config.data.max_prompt_len
   log(f"rl: SFT held-out accuracy {acc0['accuracy']:.3f}")

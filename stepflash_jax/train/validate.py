@@ -21,6 +21,13 @@ OBJECTIVES = ("mispo", "ppo", "gspo", "tis")
 REPLAY_MODES = ("off", "always", "auto")  # rl.router_replay (docs/rl.md §8)
 
 
+def _mixture(field, spec):
+  try:
+    tasks.parse_mixture(spec)
+  except (ValueError, KeyError) as e:
+    _err(field, str(e))
+
+
 def _positive(c, section, names):
   for n in names:
     v = c[section][n]
@@ -42,10 +49,7 @@ def validate_run_config(c, num_devices: int | None = None) -> None:
   except ValueError as e:
     raise ValueError(str(e).replace("model config field '", "config field 'model.")) from None
   _positive(c, "data", ["batch_size", "seq_len", "max_prompt_len"])
-  try:
-    tasks.parse_mixture(c.data.mixture)
-  except (ValueError, KeyError) as e:
-    _err("data.mixture", str(e))
+  _mixture("data.mixture", c.data.mixture)
   _positive(c, "optim", ["lr"])
   if not 0 <= c.optim.warmup_frac < 1:
     _err("optim.warmup_frac", f"must be in [0, 1), got {c.optim.warmup_frac}")
@@ -116,10 +120,7 @@ def _check_rl(c):
   if r.objective not in OBJECTIVES:
     _err("rl.objective", f"must be one of {OBJECTIVES}, got {r.objective!r}")
   if r.get("mixture"):
-    try:
-      tasks.parse_mixture(r.mixture)
-    except (ValueError, KeyError) as e:
-      _err("rl.mixture", str(e))
+    _mixture("rl.mixture", r.mixture)
   _positive(
     c,
     "rl",
