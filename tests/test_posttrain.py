@@ -15,6 +15,7 @@ import pytest
 
 from stepflash_jax.config import load_config_file
 from stepflash_jax.data import tasks
+from stepflash_jax.data.tokenizer import ASSISTANT, TOOL, load_tokenizer
 from stepflash_jax.rl import distill, posttrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,14 +54,45 @@ def test_select_counts_each_rejection_once():
 
 
 def test_combined_mixture_scales_each_domain_to_its_weight():
-  c = load_config_file(os.path.join(ROOT, "configs", "pipeline.py"), "small")
+  c = load_config_file(os.path.join(ROOT, "configs", "pipeline.py"))
   c.pipeline.domains.countdown.weight = 3.0
   mix = tasks.parse_mixture(posttrain.combined_mixture(c.pipeline.domains))
   by_family = {}
   for comp in mix:
     by_family[comp.family] = by_family.get(comp.family, 0.0) + comp.weight
-  assert by_family == pytest.approx({"arithmetic": 1.0, "countdown": 3.0})
+  assert by_family == pytest.approx({"arithmetic": 1.0, "countdown": 3.0, "toolmul": 1.0})
   assert [m.variant for m in mix if m.family == "arithmetic"] == ["+", "+", "-", "*"]
+
+
+def test_stage_configs_of_a_tool_domain():
+  c = load_config_file(os.path.join(ROOT, "configs", "pipeline.py"))
+  tool = posttrain.domain_config(c, "tool", rl=dict(steps=3))
+  assert tool.data.mixture == c.pipeline.domains.tool.mixture and dict(tool.agent) == dict(c.pipeline.agent)
+  assert (tool.rl.actor_lr, tool.rl.max_new_tokens, tool.eval.max_new_tokens, tool.rl.steps) == (1e-4, 96, 96, 3)
+  arith = posttrain.domain_config(c, "arithmetic")
+  assert "agent" not in arith and arith.rl.to_dict() == c.rl.to_dict()
+  student = posttrain.student_rl_config(c, steps=5)  # multi-turn, the largest budget, the config's own LR
+  assert "agent" in student and (student.rl.max_new_tokens, student.eval.max_new_tokens) == (96, 96)
+  assert (student.rl.steps, student.rl.actor_lr) == (5, 3e-5)
+  assert "agent" not in c and c.rl.max_new_tokens == 48  # copies: the pipeline config is unchanged
+
+
+def test_distilled_tool_transcript_is_the_sft_answer_format(tmp_path):
+  """A tool-use trajectory as the rollout builds it (model turns, then encode("<|tool|>R") + <|assistant|>),
+  decoded as distillation writes it, formats back into the same tokens with loss on the model's turns only."""
+  tok = load_tokenizer(str(tmp_path), families=("arithmetic", "countdown", "toolmul"))
+  ex = tasks.generate("toolmul", 5, 3, variant="3")  # two calls
+  first, *turns = ex["answer"].split(TOOL)
+  traj, own = tok.encode(first), [1.0] * len(tok.encode(first))
+  for turn in turns:
+    result, _, answer = turn.partition(ASSISTANT)
+    message = tok.encode(TOOL + result) + [tok.assistant_id]
+    traj, own = traj + message + tok.encode(answer), own + [0.0] * len(message) + [1.0] * len(tok.encode(answer))
+  text = tok.decode(np.asarray(traj + [tok.eos_id, tok.pad_id]), stop_at_eos=True)
+  assert text == ex["answer"] and tasks.check(ex, text)
+  ids, mask = tok.format_example(ex["prompt"], text)
+  n = len(tok.format_prompt(ex["prompt"]))
+  assert ids[n:].tolist() == traj + [tok.eos_id] and mask[n:].tolist() == own + [1.0]
 
 
 @pytest.mark.parametrize(
@@ -69,18 +101,22 @@ def test_combined_mixture_scales_each_domain_to_its_weight():
     ("pipeline.expert_steps", 0, "pipeline.expert_steps"),
     ("distill.filters", ("correct", "nope"), "distill.filters"),
     ("distill.length_budget", 0.5, "distill.length_budget"),
+    ("pipeline.agent.turn_tokens", 0, r"pipeline\.agent\.turn_tokens.*in pipeline\.domains\.tool"),
+    ("pipeline.domains.arithmetic.mixture", "countdown:99", "pipeline.domains.arithmetic.mixture"),
+    ("pipeline.domains.tool.overrides.rl.actor_lrr", 1e-4, r"pipeline\.domains\.tool\.overrides\.rl.*actor_lrr"),
+    ("pipeline.domains.tool.overrides.eval.max_new_tokens", 0, "eval.max_new_tokens.*in pipeline.domains.tool"),
   ],
 )
 def test_config_errors_name_the_field(field, value, message):
   c = load_config_file(os.path.join(ROOT, "configs", "pipeline.py"), "small")
   posttrain.check_config(c)
-  section, name = field.split(".")
-  c[section][name] = value
+  *path, name = field.split(".")
+  section = c
+  for key in path:
+    section = section[key]
+  with section.unlocked():
+    section[name] = value
   with pytest.raises(ValueError, match=message):
-    posttrain.check_config(c)
-  c = load_config_file(os.path.join(ROOT, "configs", "pipeline.py"), "small")
-  c.pipeline.domains.countdown.mixture = "countdown:99"
-  with pytest.raises(ValueError, match="pipeline.domains.countdown.mixture"):
     posttrain.check_config(c)
 
 
@@ -101,26 +137,27 @@ def test_pipeline_resumes_after_kill_with_the_same_table(tmp_path):
   out = subprocess.run(_cmd(a), env=env, capture_output=True, text=True, timeout=1200)
   assert out.returncode == 0, out.stderr[-3000:]
   rows = json.load(open(a / "pipeline.json"))
-  assert list(rows) == ["sft", "expert_arithmetic", "expert_countdown", "student_sft", "student_rl"]
-  assert all(set(r) == {"arithmetic", "countdown"} for r in rows.values())
+  assert list(rows) == ["sft", "expert_arithmetic", "expert_tool", "student_sft", "student_rl"]
+  assert all(set(r) == {"arithmetic", "tool"} for r in rows.values())
   counts = json.load(open(a / "distill" / "counts.json"))
   for c in counts.values():
     assert c["sampled"] == 16 * 4 and sum(v for k, v in c.items() if k != "sampled") == c["sampled"]
   data = distill.read_examples(str(a / "distill" / "distilled.jsonl"))
   assert len(data) == sum(c["kept"] for c in counts.values())
-  assert {r["domain"] for r in data} == {"arithmetic", "countdown"}
-  assert all(r["expert"] == f"expert_{r['domain']}" and r["family"] == r["domain"] for r in data)
+  assert {r["domain"] for r in data} == {"arithmetic", "tool"}
+  assert all(r["expert"] == f"expert_{r['domain']}" for r in data)
+  assert {(r["domain"], r["family"]) for r in data} == {("arithmetic", "arithmetic"), ("tool", "toolmul")}
 
   # b reuses a's first stages (pipeline.dirs: their rows are evaluated again), then is killed inside its own
-  # expert_countdown and resumed by the same command
-  reuse = [f"--config.pipeline.dirs.{s}={a / s}" for s in ("pretrain", "sft", "expert_arithmetic")]
+  # student_rl (multi-turn RL on both domains) and resumed by the same command
+  reuse = [f"--config.pipeline.dirs.{s}={a / s}" for s in ("pretrain", "sft", "expert_arithmetic", "expert_tool")]
   p = subprocess.Popen(_cmd(b, *reuse), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  ck, deadline = b / "expert_countdown" / "rl" / "checkpoints" / "1", time.time() + 1200
+  ck, deadline = b / "student_rl" / "rl" / "checkpoints" / "1", time.time() + 1200
   while not ck.exists() and p.poll() is None and time.time() < deadline:
     time.sleep(0.05)
   p.send_signal(signal.SIGKILL)
   p.wait()
-  assert ck.exists() and not (b / "distill").exists(), "killed at the wrong point"
+  assert ck.exists() and "student_rl" not in json.load(open(b / "pipeline.json")), "killed at the wrong point"
   out = subprocess.run(_cmd(b, *reuse), env=env, capture_output=True, text=True, timeout=1200)
   assert out.returncode == 0, out.stderr[-3000:]
   assert not (b / "sft").exists() and "rl: resumed from generation 1" in out.stdout

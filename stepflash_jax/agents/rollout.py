@@ -8,7 +8,8 @@ calls, the tool message joins the context and generation continues (docs/agents.
 trajectory so far), max_new_tokens = one turn's budget and stop_ids = (call_end_id,). Each turn re-prefills the
 whole context, so the engine's log-probs are those of a single pass over the final sequence (the training pass
 reproduces them, tests/test_multi_turn.py). Rows leave the batch when they finish; the active rows are padded up
-to the next of B, B/2, B/4, ... rows, so at most log2(B) + 1 batch shapes are compiled.
+to the next of B, B/2, B/4, ... rows, not below MIN_ROWS, so at most log2(B / MIN_ROWS) + 1 batch shapes are
+compiled.
 
 Output (R = max_response), the engine's format plus what the trainer needs for tool outputs:
   response [B, R] int32      model tokens and tool-message tokens, pad after the end
@@ -36,10 +37,15 @@ from stepflash_jax.sampling import RolloutEngine
 STATS = ("calls", "parse_errors", "tool_errors", "timeouts")
 
 
+# the smallest batch a later turn runs with: a few decode rows cost less than compiling one more shape (~15 s each
+# for the tiny model on 2 CPU cores)
+MIN_ROWS = 8
+
+
 def _bucket(n: int, B: int) -> int:
-  """The smallest of B, ceil(B/2), ceil(B/4), ... that holds n rows."""
+  """The smallest of B, ceil(B/2), ceil(B/4), ..., not below MIN_ROWS (or B), that holds n rows."""
   size = B
-  while size > 1 and -(-size // 2) >= n:
+  while size > MIN_ROWS and -(-size // 2) >= max(n, MIN_ROWS):
     size = -(-size // 2)
   return size
 

@@ -43,23 +43,42 @@ def check_filters(filters) -> tuple[str, ...]:
 
 
 def sample_responses(config, variables, tok, examples, samples: int, seed: int):
-  """`samples` responses per example at rl.temperature with the eval engine (fixed batch shape, one compile):
-  -> (texts [N][samples] str, lengths [N, samples] int, truncated [N, samples] bool)."""
-  engine, rows = evaluate.eval_engine(config, tok, config.rl.temperature), config.eval.batch_size
+  """`samples` responses per example at rl.temperature with the eval engine (fixed batch shape, one compile), or
+  multi-turn trajectories with the tool environment for a config with an `agent` section (the text then holds
+  the tool messages, "A1<|tool|>R1<|assistant|>A2", the SFT answer format of tokenizer.format_example):
+  -> (texts [N][samples] str, lengths [N, samples] int (all tokens), truncated [N, samples] bool)."""
+  rows = config.eval.batch_size
+  if "agent" in config:
+    agent = evaluate.eval_agent(config, tok, config.rl.temperature)
+    generate = lambda p, chunk, key: agent.sample(variables, p, chunk + [chunk[-1]] * (rows - len(chunk)), key)
+    close = agent.close
+  else:
+    engine = evaluate.eval_engine(config, tok, config.rl.temperature)
+    generate = lambda p, chunk, key: engine.generate(variables, p["tokens"], p["lengths"], key)
+    close = lambda: None
   flat = [ex for ex in examples for _ in range(samples)]
   texts, lengths, truncated = [], [], []
-  for i in range(0, len(flat), rows):
-    chunk = flat[i : i + rows]
-    p = evaluate.padded_prompts(config, tok, chunk, rows)
-    out = engine.generate(variables, p["tokens"], p["lengths"], jax.random.fold_in(jax.random.key(seed), i))
-    resp, lens, trunc = (np.asarray(out[k]) for k in ("response", "lengths", "truncated"))
-    for b in range(len(chunk)):
-      texts.append(tok.decode(resp[b], stop_at_eos=True))
-      lengths.append(int(lens[b]))
-      truncated.append(bool(trunc[b]))
+  try:
+    for i in range(0, len(flat), rows):
+      chunk = flat[i : i + rows]
+      p = evaluate.padded_prompts(config, tok, chunk, rows)
+      _collect(
+        tok, generate(p, chunk, jax.random.fold_in(jax.random.key(seed), i)), len(chunk), texts, lengths, truncated
+      )
+  finally:
+    close()
   shape = (len(examples), samples)
   texts = [texts[k * samples : (k + 1) * samples] for k in range(len(examples))]
   return texts, np.reshape(lengths, shape), np.reshape(truncated, shape)
+
+
+def _collect(tok, out, n, texts, lengths, truncated):
+  """Appends the first n rows of a generation's output (decoded text, token count, truncated flag)."""
+  resp, lens, trunc = (np.asarray(out[k]) for k in ("response", "lengths", "truncated"))
+  for b in range(n):
+    texts.append(tok.decode(resp[b], stop_at_eos=True))
+    lengths.append(int(lens[b]))
+    truncated.append(bool(trunc[b]))
 
 
 def select(examples, texts, lengths, truncated, filters, length_budget: float, keep: int):

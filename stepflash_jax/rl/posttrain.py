@@ -4,6 +4,9 @@
   prompts, rejection sampling: rl/distill.py) -> student SFT on the distilled data, from the pre-training
   checkpoint -> RL of the student on all domains (per-domain batch mix: pipeline.domains.<name>.weight)
 
+A tool-use domain (pipeline.domains.<name>.agent) rolls out, evaluates and distills multi-turn trajectories with the
+pipeline.agent environment; pipeline.domains.<name>.overrides sets its rl / eval fields (domain_config).
+
 Each stage runs in its own directory (<workdir>/<stage>, or pipeline.dirs.<stage> to reuse an existing run) with its
 checkpoints, metrics and plots, then adds a row to the summary table: held-out greedy accuracy per domain
 (eval.num_examples test problems of each domain's mixture). Rows live in <workdir>/pipeline.json (written atomically
@@ -17,14 +20,20 @@ import copy
 import json
 import os
 
+import ml_collections
+
 from stepflash_jax import config as config_lib
 from stepflash_jax import hf
+from stepflash_jax import model as model_lib
+from stepflash_jax import parallel
 from stepflash_jax.data import load_tokenizer_dir, tasks
 from stepflash_jax.data.pipeline import example_dataset
 from stepflash_jax.files import atomic_write
 from stepflash_jax.rl import distill, trainer
 from stepflash_jax.train import evaluate, sft
+from stepflash_jax.train import state as state_lib
 from stepflash_jax.train.metrics import summary_table
+from stepflash_jax.train.validate import validate_run_config
 
 
 def mixture_spec(components) -> str:
@@ -66,14 +75,42 @@ class Table:
 
 
 def stage_config(config, mixture: str | None = None, **sections):
-  """A copy of the pipeline config for one stage: data.mixture and fields of other sections replaced."""
+  """A copy of the pipeline config for one stage: data.mixture and fields of other sections replaced (a section
+  the config lacks, e.g. `agent`, is added)."""
   c = copy.deepcopy(config)
   with c.unlocked():
     if mixture is not None:
       c.data.mixture = mixture
     for section, fields in sections.items():
-      c[section].update(fields)
+      if section in c:
+        c[section].update(fields)
+      else:
+        c[section] = ml_collections.ConfigDict(dict(fields))
   return c
+
+
+def domain_config(config, name: str, **sections):
+  """The config of one domain's expert, eval and distillation: its mixture, its section overrides
+  (pipeline.domains.<name>.overrides) and, for a tool-use domain (agent=True), the `agent` section
+  (pipeline.agent) that switches rollouts and evals to multi-turn (agents/rollout.py)."""
+  dom = config.pipeline.domains[name]
+  extra = {k: dict(v) for k, v in dom.overrides.items()}
+  if dom.agent:
+    extra["agent"] = dict(config.pipeline.agent)
+  for section, fields in sections.items():
+    extra[section] = {**extra.get(section, {}), **fields}
+  return stage_config(config, dom.mixture, **extra)
+
+
+def student_rl_config(config, **rl):
+  """The student's RL on all domains: multi-turn rollouts when any domain uses tools (a prompt without a call
+  ends after one turn), with the largest response budget (rl and eval) any domain asks for."""
+  doms = config.pipeline.domains.values()
+  budget = lambda s: max([config[s].max_new_tokens] + [d.overrides.get(s, {}).get("max_new_tokens", 0) for d in doms])
+  sections = {"rl": {**rl, "max_new_tokens": budget("rl")}, "eval": {"max_new_tokens": budget("eval")}}
+  if any(d.agent for d in doms):
+    sections["agent"] = dict(config.pipeline.agent)
+  return stage_config(config, **sections)
 
 
 def check_config(config) -> None:
@@ -88,6 +125,14 @@ def check_config(config) -> None:
       raise ValueError(f"config field 'pipeline.domains.{name}.mixture': {e}") from None
     if not dom.weight > 0:
       raise ValueError(f"config field 'pipeline.domains.{name}.weight': must be > 0, got {dom.weight}")
+    for section in dom.overrides:
+      if section not in ("rl", "eval") or not isinstance(dom.overrides[section], ml_collections.ConfigDict):
+        raise ValueError(
+          f"config field 'pipeline.domains.{name}.overrides': sections 'rl' and 'eval' only (dicts), got {section!r}"
+        )
+      unknown = set(dom.overrides[section]) - set(config[section])
+      if unknown:
+        raise ValueError(f"config field 'pipeline.domains.{name}.overrides.{section}': unknown {sorted(unknown)}")
   for f in ("expert_steps", "student_sft_steps", "student_rl_steps"):
     if not (isinstance(p[f], int) and p[f] > 0):
       raise ValueError(f"config field 'pipeline.{f}': must be an int > 0, got {p[f]!r}")
@@ -97,6 +142,13 @@ def check_config(config) -> None:
   if not d.length_budget >= 1:
     raise ValueError(f"config field 'distill.length_budget': must be >= 1, got {d.length_budget}")
   distill.check_filters(d.filters)
+  stages = {f"pipeline.domains.{n}": domain_config(config, n) for n in p.domains}
+  stages["the student's RL (pipeline.agent when a domain uses tools)"] = student_rl_config(config)
+  for where, c in stages.items():  # the overrides and the agent section, checked as their stage will run
+    try:
+      validate_run_config(c)
+    except ValueError as e:
+      raise ValueError(str(e).replace("field 'agent.", "field 'pipeline.agent.") + f" (in {where})") from None
   unknown = (
     set(p.dirs) - {"pretrain", "sft", "distill", "student_sft", "student_rl"} - {f"expert_{n}" for n in p.domains}
   )
@@ -109,26 +161,42 @@ def run(config, workdir: str, log=print) -> dict:
   p, domains = config.pipeline, config.pipeline.domains
   table = Table(workdir, domains)
   stage_dir = lambda name: p.dirs.get(name) or os.path.join(workdir, name)
-  pre_dir = stage_dir("pretrain")
-  base = stage_config(config, mixture=combined_mixture(domains), train=dict(init_from=pre_dir))
-  eval_sets = {d: evaluate.heldout_examples(stage_config(base, domains[d].mixture)) for d in domains}
-  engine = None
+  base = stage_config(config, mixture=combined_mixture(domains), train=dict(init_from=stage_dir("pretrain")))
+  evals = {d: domain_config(base, d) for d in domains}
+  eval_sets = {d: evaluate.heldout_examples(evals[d]) for d in domains}
+  engines = {}  # made (and compiled) once: a multi-turn Agent per tool domain, one engine per eval length
 
   def record(stage, variables, tok):
-    nonlocal engine
-    engine = engine or evaluate.eval_engine(base, tok, temperature=0.0)
-    row = {d: evaluate.accuracy(base, variables, tok, eval_sets[d], engine)["accuracy"] for d in domains}
+    row = {}
+    for d, c in evals.items():
+      key = d if domains[d].agent else c.eval.max_new_tokens
+      if key not in engines:
+        engines[key] = evaluate.eval_agent(c, tok) if domains[d].agent else evaluate.eval_engine(c, tok, 0.0)
+      row[d] = evaluate.accuracy(c, variables, tok, eval_sets[d], engines[key])["accuracy"]
     table.add(stage, row)
     log(f"pipeline: {stage}: " + ", ".join(f"{d} {a:.3f}" for d, a in row.items()))
 
-  sft_out = None
+  try:  # on the stages' mesh, as their trainers run: the evals and the stages' engines share compiled programs
+    with parallel.use_mesh(parallel.make_mesh(base.mesh), parallel.rules(base)):
+      _stages(base, table, stage_dir, record, log)
+  finally:
+    for e in engines.values():
+      if hasattr(e, "close"):  # an Agent's tool executor
+        e.close()
+  log(table.markdown())
+  return table.rows
+
+
+def _stages(base, table, stage_dir, record, log):
+  """The stages without a row in the table, in order (module docstring)."""
+  p, domains = base.pipeline, base.pipeline.domains
   if "sft" not in table.rows:
-    sft_out = sft.train(base, stage_dir("sft"), log=log, reuse="pipeline.dirs.sft" if p.dirs.get("sft") else None)
-    record("sft", sft_out["variables"], sft_out["tokenizer"])
+    out = sft.train(base, stage_dir("sft"), log=log, reuse="pipeline.dirs.sft" if p.dirs.get("sft") else None)
+    record("sft", out["variables"], out["tokenizer"])
   for d in domains:
     name = f"expert_{d}"
     if name not in table.rows:
-      expert = stage_config(base, domains[d].mixture, rl=dict(sft_workdir=stage_dir("sft"), steps=p.expert_steps))
+      expert = domain_config(base, d, rl=dict(sft_workdir=stage_dir("sft"), steps=p.expert_steps))
       trainer.run(expert, stage_dir(name), log=log)
       record(name, *_exported(base, stage_dir(name)))
   data_path = os.path.join(stage_dir("distill"), "distilled.jsonl")
@@ -139,35 +207,43 @@ def run(config, workdir: str, log=print) -> dict:
     out = sft.train(student, stage_dir("student_sft"), log=log, examples=distill.read_examples(data_path))
     record("student_sft", out["variables"], out["tokenizer"])
   if "student_rl" not in table.rows:
-    rl_cfg = stage_config(student, rl=dict(sft_workdir=stage_dir("student_sft"), steps=p.student_rl_steps))
+    rl_cfg = student_rl_config(student, sft_workdir=stage_dir("student_sft"), steps=p.student_rl_steps)
     trainer.run(rl_cfg, stage_dir("student_rl"), log=log)
     record("student_rl", *_exported(base, stage_dir("student_rl")))
-  log(table.markdown())
-  return table.rows
 
 
 def _exported(config, run_dir):
-  """(variables, tokenizer) of a finished RL run's export (<run_dir>/hf)."""
+  """(variables, tokenizer) of a finished RL run's export (<run_dir>/hf), the variables placed on the mesh as a
+  trainer places them (the same placement compiles to the same program)."""
   keep = {k: config.model[k] for k in config_lib.IMPL_KEYS + ("param_dtype",)}
-  return hf.load_hf_checkpoint(os.path.join(run_dir, "hf"), **keep)[1], load_tokenizer_dir(os.path.join(run_dir, "hf"))
+  variables = hf.load_hf_checkpoint(os.path.join(run_dir, "hf"), **keep)[1]
+  mesh, rules = parallel.make_mesh(config.mesh), parallel.rules(config)
+  variables = state_lib.place_state(variables, model_lib.as_args(config.model), mesh, rules)
+  return variables, load_tokenizer_dir(os.path.join(run_dir, "hf"))
 
 
 def _distill(base, domains, stage_dir, data_path, log):
-  """Each expert re-rolls pipeline.distill_prompts SFT prompts of its domain; writes the data and the counts."""
-  records, counts = [], {}
+  """Each expert re-rolls distill.prompts SFT prompts of its domain -> <dir>/<domain>.jsonl and its counts (a rerun
+  keeps a finished domain's files), then all domains in data_path and counts.json."""
+  out_dir, records, counts = os.path.dirname(data_path), [], {}
   for i, d in enumerate(domains):
-    variables, tok = _exported(base, stage_dir(f"expert_{d}"))
-    ds = example_dataset(mixture=domains[d].mixture, split="train", seed=base.seed)
-    prompts = [ds[k] for k in range(base.distill.prompts)]
-    kept, counts[d] = distill.distill_domain(
-      base, variables, tok, prompts, domain=d, expert=f"expert_{d}", seed=base.seed + i
-    )
-    if not kept:
-      raise ValueError(
-        f"distillation of {d!r} kept no response ({counts[d]}): train the expert longer or relax "
-        "config field 'distill.filters'"
+    part, part_counts = os.path.join(out_dir, f"{d}.jsonl"), os.path.join(out_dir, f"{d}.counts.json")
+    if not os.path.exists(part):
+      variables, tok = _exported(base, stage_dir(f"expert_{d}"))
+      ds = example_dataset(mixture=domains[d].mixture, split="train", seed=base.seed)
+      prompts = [ds[k] for k in range(base.distill.prompts)]
+      kept, n = distill.distill_domain(
+        domain_config(base, d), variables, tok, prompts, domain=d, expert=f"expert_{d}", seed=base.seed + i
       )
-    records += kept
+      if not kept:
+        raise ValueError(
+          f"distillation of {d!r} kept no response ({n}): train the expert longer or relax config field "
+          "'distill.filters'"
+        )
+      atomic_write(part_counts, json.dumps(n, indent=1))
+      distill.write_examples(part, kept)
+    records += distill.read_examples(part)
+    counts[d] = json.load(open(part_counts))
     log(f"pipeline: distill {d}: " + ", ".join(f"{k} {v}" for k, v in counts[d].items()))
-  atomic_write(os.path.join(os.path.dirname(data_path), "counts.json"), json.dumps(counts, indent=1))
+  atomic_write(os.path.join(out_dir, "counts.json"), json.dumps(counts, indent=1))
   distill.write_examples(data_path, records)

@@ -55,10 +55,11 @@ def padded_prompts(config, tok, chunk, rows: int | None = None) -> dict:
 def accuracy(config, variables, tok, examples, engine=None) -> dict:
   """Greedy (temperature 0) completions of `examples` in batches of eval.batch_size, in the engine numerics
   eval.dtype, checked by their task's rule checker. An engine with the rollout's dtype, prompt width, length limit
-  and batch size runs the rollout's compiled program (the sampling settings are traced inputs)."""
+  and batch size runs the rollout's compiled program (the sampling settings are traced inputs). With an `agent`
+  section: multi-turn trajectories, `engine` an open greedy Agent (eval_agent) to reuse, else one made here."""
   e = config.eval
   if "agent" in config:
-    return _agent_accuracy(config, variables, tok, examples)
+    return _agent_accuracy(config, variables, tok, examples, engine)
   engine = engine or eval_engine(config, tok, temperature=0.0)
   chunks = [examples[i : i + e.batch_size] for i in range(0, len(examples), e.batch_size)]
 
@@ -111,11 +112,18 @@ def _score(tok, chunks, outs) -> dict:
   return out
 
 
-def _agent_accuracy(config, variables, tok, examples) -> dict:
+def eval_agent(config, tok, temperature: float = 0.0) -> Agent:
+  """The multi-turn eval sampler of an agent config (eval.max_new_tokens per trajectory, eval.dtype; greedy by
+  default); the caller closes it."""
+  e = config.eval
+  return Agent(config, tok, e.max_new_tokens, dtype=e.get("dtype", "float32"), temperature=temperature)
+
+
+def _agent_accuracy(config, variables, tok, examples, agent=None) -> dict:
   """Greedy multi-turn trajectories (at most eval.max_new_tokens tokens each, tool messages included) in batches
   of eval.batch_size, checked on their final turn."""
-  e = config.eval
-  agent = Agent(config, tok, e.max_new_tokens, dtype=e.get("dtype", "float32"), temperature=0.0)
+  e, own = config.eval, agent is None
+  agent = agent or eval_agent(config, tok)
   chunks = [examples[i : i + e.batch_size] for i in range(0, len(examples), e.batch_size)]
   try:
     outs = []
@@ -123,5 +131,6 @@ def _agent_accuracy(config, variables, tok, examples) -> dict:
       full = chunk + [chunk[-1]] * (e.batch_size - len(chunk))
       outs.append(agent.sample(variables, padded_prompts(config, tok, chunk), full, jax.random.key(0)))
   finally:
-    agent.close()
+    if own:
+      agent.close()
   return _score(tok, chunks, outs)
