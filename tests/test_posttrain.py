@@ -75,6 +75,10 @@ def test_stage_configs_of_a_tool_domain():
   assert "agent" in student and (student.rl.max_new_tokens, student.eval.max_new_tokens) == (96, 96)
   assert (student.rl.steps, student.rl.actor_lr) == (5, 3e-5)
   assert "agent" not in c and c.rl.max_new_tokens == 48  # copies: the pipeline config is unchanged
+  with c.pipeline.domains.tool.unlocked():
+    c.pipeline.domains.tool.overrides.distill = dict(samples=2)
+  posttrain.check_config(c)
+  assert (posttrain.domain_config(c, "tool").distill.samples, c.distill.samples) == (2, 4)
 
 
 def test_distilled_tool_transcript_is_the_sft_answer_format(tmp_path):
@@ -105,6 +109,12 @@ def test_distilled_tool_transcript_is_the_sft_answer_format(tmp_path):
     ("pipeline.domains.arithmetic.mixture", "countdown:99", "pipeline.domains.arithmetic.mixture"),
     ("pipeline.domains.tool.overrides.rl.actor_lrr", 1e-4, r"pipeline\.domains\.tool\.overrides\.rl.*actor_lrr"),
     ("pipeline.domains.tool.overrides.eval.max_new_tokens", 0, "eval.max_new_tokens.*in pipeline.domains.tool"),
+    (
+      "pipeline.domains.tool.overrides.distill",
+      {"samples": 0},
+      r"pipeline\.domains\.tool\.overrides\.distill\.samples",
+    ),
+    ("pipeline.domains.tool.overrides.data", {"seed": 1}, r"pipeline\.domains\.tool\.overrides.*'data'"),
   ],
 )
 def test_config_errors_name_the_field(field, value, message):

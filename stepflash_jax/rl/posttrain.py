@@ -5,7 +5,7 @@
   checkpoint -> RL of the student on all domains (per-domain batch mix: pipeline.domains.<name>.weight)
 
 A tool-use domain (pipeline.domains.<name>.agent) rolls out, evaluates and distills multi-turn trajectories with the
-pipeline.agent environment; pipeline.domains.<name>.overrides sets its rl / eval fields (domain_config).
+pipeline.agent environment; pipeline.domains.<name>.overrides sets its rl / eval / distill fields (domain_config).
 
 Each stage runs in its own directory (<workdir>/<stage>, or pipeline.dirs.<stage> to reuse an existing run) with its
 checkpoints, metrics and plots, then adds a row to the summary table: held-out greedy accuracy per domain
@@ -89,6 +89,9 @@ def stage_config(config, mixture: str | None = None, **sections):
   return c
 
 
+OVERRIDES = ("rl", "eval", "distill")  # the sections a domain may override
+
+
 def domain_config(config, name: str, **sections):
   """The config of one domain's expert, eval and distillation: its mixture, its section overrides
   (pipeline.domains.<name>.overrides) and, for a tool-use domain (agent=True), the `agent` section
@@ -113,9 +116,18 @@ def student_rl_config(config, **rl):
   return stage_config(config, **sections)
 
 
+def _check_distill(d, where: str) -> None:
+  for f in ("prompts", "samples", "keep"):
+    if not (isinstance(d[f], int) and d[f] > 0):
+      raise ValueError(f"config field '{where}.{f}': must be an int > 0, got {d[f]!r}")
+  if not d.length_budget >= 1:
+    raise ValueError(f"config field '{where}.length_budget': must be >= 1, got {d.length_budget}")
+  distill.check_filters(d.filters)
+
+
 def check_config(config) -> None:
   """The pipeline and distill sections (ValueError naming the field)."""
-  p, d = config.pipeline, config.distill
+  p = config.pipeline
   if not p.domains:
     raise ValueError("config field 'pipeline.domains': at least one domain")
   for name, dom in p.domains.items():
@@ -126,9 +138,9 @@ def check_config(config) -> None:
     if not dom.weight > 0:
       raise ValueError(f"config field 'pipeline.domains.{name}.weight': must be > 0, got {dom.weight}")
     for section in dom.overrides:
-      if section not in ("rl", "eval") or not isinstance(dom.overrides[section], ml_collections.ConfigDict):
+      if section not in OVERRIDES or not isinstance(dom.overrides[section], ml_collections.ConfigDict):
         raise ValueError(
-          f"config field 'pipeline.domains.{name}.overrides': sections 'rl' and 'eval' only (dicts), got {section!r}"
+          f"config field 'pipeline.domains.{name}.overrides': sections {OVERRIDES} only (dicts), got {section!r}"
         )
       unknown = set(dom.overrides[section]) - set(config[section])
       if unknown:
@@ -136,13 +148,10 @@ def check_config(config) -> None:
   for f in ("expert_steps", "student_sft_steps", "student_rl_steps"):
     if not (isinstance(p[f], int) and p[f] > 0):
       raise ValueError(f"config field 'pipeline.{f}': must be an int > 0, got {p[f]!r}")
-  for f in ("prompts", "samples", "keep"):
-    if not (isinstance(d[f], int) and d[f] > 0):
-      raise ValueError(f"config field 'distill.{f}': must be an int > 0, got {d[f]!r}")
-  if not d.length_budget >= 1:
-    raise ValueError(f"config field 'distill.length_budget': must be >= 1, got {d.length_budget}")
-  distill.check_filters(d.filters)
+  _check_distill(config.distill, "distill")
   stages = {f"pipeline.domains.{n}": domain_config(config, n) for n in p.domains}
+  for n, c in stages.items():
+    _check_distill(c.distill, f"{n}.overrides.distill")
   stages["the student's RL (pipeline.agent when a domain uses tools)"] = student_rl_config(config)
   for where, c in stages.items():  # the overrides and the agent section, checked as their stage will run
     try:
@@ -223,18 +232,17 @@ def _exported(config, run_dir):
 
 
 def _distill(base, domains, stage_dir, data_path, log):
-  """Each expert re-rolls distill.prompts SFT prompts of its domain -> <dir>/<domain>.jsonl and its counts (a rerun
+  """Each expert re-rolls distill.prompts SFT prompts of its domain (its overrides applied) -> <dir>/<domain>.jsonl and its counts (a rerun
   keeps a finished domain's files), then all domains in data_path and counts.json."""
   out_dir, records, counts = os.path.dirname(data_path), [], {}
   for i, d in enumerate(domains):
     part, part_counts = os.path.join(out_dir, f"{d}.jsonl"), os.path.join(out_dir, f"{d}.counts.json")
     if not os.path.exists(part):
       variables, tok = _exported(base, stage_dir(f"expert_{d}"))
-      ds = example_dataset(mixture=domains[d].mixture, split="train", seed=base.seed)
-      prompts = [ds[k] for k in range(base.distill.prompts)]
-      kept, n = distill.distill_domain(
-        domain_config(base, d), variables, tok, prompts, domain=d, expert=f"expert_{d}", seed=base.seed + i
-      )
+      dc = domain_config(base, d)
+      ds = example_dataset(mixture=dc.data.mixture, split="train", seed=base.seed)
+      prompts = [ds[k] for k in range(dc.distill.prompts)]
+      kept, n = distill.distill_domain(dc, variables, tok, prompts, domain=d, expert=f"expert_{d}", seed=base.seed + i)
       if not kept:
         raise ValueError(
           f"distillation of {d!r} kept no response ({n}): train the expert longer or relax config field "
