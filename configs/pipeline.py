@@ -32,7 +32,7 @@ def get_config(arg: str = ""):
 
   c.pipeline = p = ml_collections.ConfigDict()
   # agent: a tool-use domain (multi-turn rollouts and evals with the `agent` section below); overrides: fields of
-  # the rl / eval sections for this domain's expert, eval and distillation
+  # the rl / eval / distill sections for this domain's expert, eval and distillation
   domain = lambda mixture, weight, agent=False, **overrides: dict(
     mixture=mixture, weight=weight, agent=agent, overrides={k: dict(v) for k, v in overrides.items()}
   )
@@ -54,7 +54,7 @@ def get_config(arg: str = ""):
   )
   if small:  # countdown runs the arithmetic domain's code path: the test-suite size keeps one single-turn domain
     del p.domains["countdown"]
-    # the tool domain's budget and LR for every RL stage, and one SFT length: stages share compiled programs
+    # the tool domain's budget and LR for every RL stage: the experts and the student share compiled programs
     c.rl.update(max_new_tokens=96, actor_lr=1e-4)
   # multi-turn tool use (configs/agent.py), for the tool domain and the student's RL on all domains
   p.agent = ml_collections.ConfigDict(
@@ -69,7 +69,7 @@ def get_config(arg: str = ""):
   c.data.tokenizer_families = ("arithmetic", "countdown", "toolmul")  # + the tool-call template's pieces
   c.data.max_prompt_len = 24  # "Use multiply: 4942*7143" with the chat markers
   p.expert_steps = 2 if small else 24  # RL generations of each expert (one domain's prompts)
-  p.student_sft_steps = 30 if small else 400  # ~2 passes over the distilled data
+  p.student_sft_steps = 30 if small else 400  # ~2 passes over the distilled data (small: the SFT's compiled step)
   # the student's RL on the combined mixture (domain weights above): 48 generations x 2/3 countdown = 1.3x the
   # countdown expert's 24 generations of countdown prompts
   p.student_rl_steps = 2 if small else 48

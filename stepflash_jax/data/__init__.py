@@ -3,7 +3,14 @@
 
 from stepflash_jax.data import jsonl, tasks, verifiers
 from stepflash_jax.data.hf_tokenizer import HFTokenizer, load_tokenizer_dir, tokenizer_for
-from stepflash_jax.data.pipeline import example_dataset, future_targets, pad_prompts, prompt_dataset, sft_dataset
+from stepflash_jax.data.pipeline import (
+  example_dataset,
+  future_targets,
+  pad_prompts,
+  padded_chunk,
+  prompt_dataset,
+  sft_dataset,
+)
 from stepflash_jax.data.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
 
 __all__ = [
@@ -15,6 +22,7 @@ __all__ = [
   "load_tokenizer_dir",
   "load_tokenizer",
   "pad_prompts",
+  "padded_chunk",
   "prompt_dataset",
   "sft_dataset",
   "tasks",

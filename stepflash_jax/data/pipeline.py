@@ -184,6 +184,12 @@ def pack_and_batch(
   return ds.batch(batch_size, drop_remainder=drop_remainder, batch_fn=_collate_packed)
 
 
+def padded_chunk(chunk: Sequence, rows: int) -> list:
+  """A batch's `chunk` of items filled up to `rows` with copies of its last item (a fixed batch shape; the copies'
+  outputs are dropped)."""
+  return list(chunk) + [chunk[-1]] * (rows - len(chunk))
+
+
 def pad_prompts(
   prompts: Sequence[Sequence[int]], max_prompt_len: int, *, pad_id: int = 0, pad_side: str = "left"
 ) -> dict:

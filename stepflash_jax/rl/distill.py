@@ -23,7 +23,7 @@ import json
 import jax
 import numpy as np
 
-from stepflash_jax.data import tasks
+from stepflash_jax.data import padded_chunk, tasks
 from stepflash_jax.files import atomic_write
 from stepflash_jax.rl import rewards
 from stepflash_jax.train import evaluate
@@ -50,7 +50,7 @@ def sample_responses(config, variables, tok, examples, samples: int, seed: int):
   rows = config.eval.batch_size
   if "agent" in config:
     agent = evaluate.eval_agent(config, tok, config.rl.temperature)
-    generate = lambda p, chunk, key: agent.sample(variables, p, chunk + [chunk[-1]] * (rows - len(chunk)), key)
+    generate = lambda p, chunk, key: agent.sample(variables, p, padded_chunk(chunk, rows), key)
     close = agent.close
   else:
     engine = evaluate.eval_engine(config, tok, config.rl.temperature)

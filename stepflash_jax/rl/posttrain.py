@@ -232,8 +232,8 @@ def _exported(config, run_dir):
 
 
 def _distill(base, domains, stage_dir, data_path, log):
-  """Each expert re-rolls distill.prompts SFT prompts of its domain (its overrides applied) -> <dir>/<domain>.jsonl and its counts (a rerun
-  keeps a finished domain's files), then all domains in data_path and counts.json."""
+  """Each expert re-rolls distill.prompts SFT prompts of its domain (its overrides applied) -> <dir>/<domain>.jsonl
+  and <domain>.counts.json (a rerun keeps a finished domain's files), then all domains in data_path and counts.json."""
   out_dir, records, counts = os.path.dirname(data_path), [], {}
   for i, d in enumerate(domains):
     part, part_counts = os.path.join(out_dir, f"{d}.jsonl"), os.path.join(out_dir, f"{d}.counts.json")

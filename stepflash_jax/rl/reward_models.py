@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from stepflash_jax import model as model_lib
-from stepflash_jax.data import tasks
+from stepflash_jax.data import padded_chunk, tasks
 
 KINDS = ("bt", "genrm")
 VERDICTS = ("better", "worse")  # the GenRM's answer tokens (tasks/pref.py SYMBOLS): candidate vs reference
@@ -148,7 +148,7 @@ class LearnedReward:
     fn, out = _programs(self.args)[self.kind], []
     for i in range(0, len(rows), self.batch_size):
       chunk = rows[i : i + self.batch_size]
-      tokens, lengths = pad_rows(chunk + [chunk[-1]] * (self.batch_size - len(chunk)), self.max_len, self.tok.pad_id)
+      tokens, lengths = pad_rows(padded_chunk(chunk, self.batch_size), self.max_len, self.tok.pad_id)
       extra = (jnp.asarray(self.ids),) if self.kind == "genrm" else ()
       out.append(np.asarray(fn(self.variables, jnp.asarray(tokens), jnp.asarray(lengths), *extra))[: len(chunk)])
     return np.concatenate(out)

@@ -8,7 +8,7 @@ import jax
 
 from stepflash_jax import parallel
 from stepflash_jax.agents.rollout import Agent
-from stepflash_jax.data import jsonl, pad_prompts, tasks
+from stepflash_jax.data import jsonl, pad_prompts, padded_chunk, tasks
 from stepflash_jax.data.pipeline import example_dataset
 from stepflash_jax.sampling import RolloutEngine
 
@@ -48,7 +48,7 @@ def eval_engine(config, tok, temperature: float) -> RolloutEngine:
 def padded_prompts(config, tok, chunk, rows: int | None = None) -> dict:
   """A chunk of <= `rows` (default eval.batch_size) examples as left-padded prompts of exactly `rows` rows (the
   last example repeated): one batch shape, one compilation."""
-  full = list(chunk) + [chunk[-1]] * ((rows or config.eval.batch_size) - len(chunk))
+  full = padded_chunk(chunk, rows or config.eval.batch_size)
   return pad_prompts([tok.format_prompt(x["prompt"]) for x in full], config.data.max_prompt_len, pad_id=tok.pad_id)
 
 
@@ -128,7 +128,7 @@ def _agent_accuracy(config, variables, tok, examples, agent=None) -> dict:
   try:
     outs = []
     for chunk in chunks:  # fixed batch shape (the last chunk padded with copies)
-      full = chunk + [chunk[-1]] * (e.batch_size - len(chunk))
+      full = padded_chunk(chunk, e.batch_size)
       outs.append(agent.sample(variables, padded_prompts(config, tok, chunk), full, jax.random.key(0)))
   finally:
     if own:
