@@ -7,9 +7,10 @@ op time is XLA's dot fusions, README), so the ceiling on that ratio is how fast 
 shapes. The shapes are the forward's dots at B=8 x T=256 (2048 tokens, hidden 256): the attention projections, the
 dense and shared-expert FFN, one MoE layer's padded tiles (47 tiles of 128 rows, gate and up fused) and a small
 per-expert matmul as HF's expert loop runs it (~256 tokens per expert). Each shape runs as one jitted dot in jax
-and as `a @ b` in torch (set_num_threads(os.cpu_count())) in a subprocess, float32, median of --reps calls after a
-warm-up. Without torch it prints the jax column only. Prints one line per shape and the geometric mean of the
-torch / jax throughput ratios; with --json, one JSON object on the last line.
+and as torch.matmul in torch (set_num_threads(os.cpu_count())), each framework in its own subprocess, float32,
+median of --reps round-robin calls (timing.bench) after a warm-up. Without torch it prints the jax column only.
+Prints one line per shape and the geometric mean of the torch / jax throughput ratios; with --json, one JSON
+object on the last line.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import os
 import statistics
 import subprocess
 import sys
-import time
+
+from timing import bench  # experiments/benchmarks/timing.py (the script's folder is on sys.path)
 
 # (name, batch, m, k, n): batch 0 = a plain 2-D matmul
 SHAPES = (
@@ -37,39 +39,34 @@ SHAPES = (
 )
 
 
-def time_calls(fn, reps: int) -> float:
-  fn()
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+def operands(ones) -> dict:
+  """{name: (lhs, rhs)} of each shape, made by `ones` (jnp.ones or torch.ones)."""
+  out = {}
+  for name, b, m, k, n in SHAPES:
+    lead = (b,) if b else ()
+    out[name] = (ones(lead + (m, k)), ones(lead + (k, n)))
+  return out
+
+
+def median_seconds(cases, reps: int) -> list[float]:
+  """timing.bench's median wall seconds per case, in SHAPES order (torch tensors pass through its
+  block_until_ready unchanged)."""
+  return [t[0] for t in bench(cases, reps).values()]
 
 
 def run_jax(reps: int) -> list[float]:
   import jax
   import jax.numpy as jnp
 
-  out = []
-  for _, b, m, k, n in SHAPES:
-    lead = (b,) if b else ()
-    x, w = jnp.ones(lead + (m, k)), jnp.ones(lead + (k, n))
-    f = jax.jit(jnp.matmul)
-    out.append(time_calls(lambda: f(x, w).block_until_ready(), reps))
-  return out
+  f = jax.jit(jnp.matmul)
+  return median_seconds({name: (f, xw) for name, xw in operands(jnp.ones).items()}, reps)
 
 
 def run_torch(reps: int) -> list[float]:
   import torch
 
   torch.set_num_threads(os.cpu_count())
-  out = []
-  for _, b, m, k, n in SHAPES:
-    lead = (b,) if b else ()
-    x, w = torch.ones(lead + (m, k)), torch.ones(lead + (k, n))
-    out.append(time_calls(lambda: x @ w, reps))
-  return out
+  return median_seconds({name: (torch.matmul, xw) for name, xw in operands(torch.ones).items()}, reps)
 
 
 def main():
