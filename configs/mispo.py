@@ -73,6 +73,9 @@ def get_config(arg: str = ""):
   r.lam = 1.0
   r.truncation = "bootstrap"  # truncated responses get V(s_T); "zero" for the ablation
   r.reward = "rule"  # stepflash_jax.rl.rewards registry
+  # {task family: reward} for the samples of those families (rewards.ByFamily; the pipeline's student gives the
+  # preference domain its learned judge); empty = rl.reward for every sample
+  r.family_rewards = ml_collections.ConfigDict()
   # Report §5 (docs/rl.md §9): actor 2e-6 / critic 5e-6 (ratio 2.5) with 20 / 50 warmup updates, after SFT at 1e-5.
   # Muon steps have a fixed size whatever the gradient's norm, and 48 responses per mini-batch are a noisy gradient:
   # the actor runs at 1/100 of the SFT peak. From one SFT checkpoint (0.574), 36 generations (2026-12-01):

@@ -60,7 +60,9 @@ def test_combined_mixture_scales_each_domain_to_its_weight():
   by_family = {}
   for comp in mix:
     by_family[comp.family] = by_family.get(comp.family, 0.0) + comp.weight
-  assert by_family == pytest.approx({"arithmetic": 1.0, "countdown": 3.0, "toolmul": c.pipeline.domains.tool.weight})
+  want = {"arithmetic": 1.0, "countdown": 3.0}
+  want.update(toolmul=c.pipeline.domains.tool.weight, pref=c.pipeline.domains.preference.weight)
+  assert by_family == pytest.approx(want)
   assert [m.variant for m in mix if m.family == "arithmetic"] == ["+", "+", "-", "*"]
 
 
@@ -75,6 +77,12 @@ def test_stage_configs_of_a_tool_domain():
   assert "agent" in student and (student.rl.max_new_tokens, student.eval.max_new_tokens) == (96, 96)
   assert (student.rl.steps, student.rl.actor_lr) == (5, 3e-5)
   assert "agent" not in c and c.rl.max_new_tokens == 48  # copies: the pipeline config is unchanged
+  # the student's RL rewards the preference domain's family with its judge, the others with the config's reward
+  assert (dict(student.rl.family_rewards), student.rl.reward, dict(c.rl.family_rewards)) == (
+    {"pref": "genrm"},
+    "rule",
+    {},
+  )
   with c.pipeline.domains.tool.unlocked():
     c.pipeline.domains.tool.overrides.distill = dict(samples=2)
   posttrain.check_config(c)
@@ -115,6 +123,9 @@ def test_distilled_tool_transcript_is_the_sft_answer_format(tmp_path):
       r"pipeline\.domains\.tool\.overrides\.distill\.samples",
     ),
     ("pipeline.domains.tool.overrides.data", {"seed": 1}, r"pipeline\.domains\.tool\.overrides.*'data'"),
+    ("pipeline.domains.preference.metric", "bleu", r"pipeline\.domains\.preference\.metric"),
+    ("pipeline.domains.preference.overrides.rl.reward", "nope", r"rl\.reward.*in pipeline\.domains\.preference"),
+    ("reward_model.train", ("bt",), r"reward_model\.train.*genrm"),
   ],
 )
 def test_config_errors_name_the_field(field, value, message):
@@ -144,25 +155,34 @@ def _cmd(workdir, *extra):
 def test_pipeline_resumes_after_kill_with_the_same_table(tmp_path):
   env = dict(os.environ, PYTHONUNBUFFERED="1")
   a, b = tmp_path / "a", tmp_path / "b"
-  out = subprocess.run(_cmd(a), env=env, capture_output=True, text=True, timeout=1200)
+  out = subprocess.run(_cmd(a), env=env, capture_output=True, text=True, timeout=1800)
   assert out.returncode == 0, out.stderr[-3000:]
   rows = json.load(open(a / "pipeline.json"))
-  assert list(rows) == ["sft", "expert_arithmetic", "expert_tool", "student_sft", "student_rl"]
-  assert all(set(r) == {"arithmetic", "tool"} for r in rows.values())
+  stages = ["sft", "expert_arithmetic", "expert_preference", "expert_tool", "student_sft", "student_rl"]
+  assert list(rows) == stages
+  assert all(set(r) == {"arithmetic", "preference", "tool"} for r in rows.values())
+  assert all(0 <= r["preference"] <= 1.5 for r in rows.values())  # its column: the mean gold score
+  # the preference expert trained the judge once, in the pipeline's reward_model stage
+  judge = a / "reward_model"
+  assert (judge / "preferences" / "train.jsonl").exists() and (judge / "reward_genrm").exists()
   counts = json.load(open(a / "distill" / "counts.json"))
   # each domain samples its own prompts x samples (the tool domain's distill overrides: 16 x 1)
-  assert {d: c["sampled"] for d, c in counts.items()} == {"arithmetic": 16 * 4, "tool": 16 * 1}
+  c = load_config_file(os.path.join(ROOT, "configs", "pipeline.py"), "small")
+  sampled = {d: posttrain.domain_config(c, d).distill for d in counts}
+  sampled = {d: x.prompts * x.samples for d, x in sampled.items()}
+  assert {d: n["sampled"] for d, n in counts.items()} == sampled and sampled["tool"] == 16
   for c in counts.values():
     assert sum(v for k, v in c.items() if k != "sampled") == c["sampled"]
   data = distill.read_examples(str(a / "distill" / "distilled.jsonl"))
   assert len(data) == sum(c["kept"] for c in counts.values())
-  assert {r["domain"] for r in data} == {"arithmetic", "tool"}
+  assert {r["domain"] for r in data} == {"arithmetic", "preference", "tool"}
   assert all(r["expert"] == f"expert_{r['domain']}" for r in data)
-  assert {(r["domain"], r["family"]) for r in data} == {("arithmetic", "arithmetic"), ("tool", "toolmul")}
+  want = {("arithmetic", "arithmetic"), ("preference", "pref"), ("tool", "toolmul")}
+  assert {(r["domain"], r["family"]) for r in data} == want
 
   # b reuses a's first stages (pipeline.dirs: their rows are evaluated again), then is killed inside its own
-  # student_rl (multi-turn RL on both domains) and resumed by the same command
-  reuse = [f"--config.pipeline.dirs.{s}={a / s}" for s in ("pretrain", "sft", "expert_arithmetic", "expert_tool")]
+  # student_rl (multi-turn RL on all domains) and resumed by the same command
+  reuse = [f"--config.pipeline.dirs.{s}={a / s}" for s in ["pretrain", "reward_model"] + stages[:4]]
   p = subprocess.Popen(_cmd(b, *reuse), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   ck, deadline = b / "student_rl" / "rl" / "checkpoints" / "1", time.time() + 1200
   while not ck.exists() and p.poll() is None and time.time() < deadline:
@@ -170,9 +190,10 @@ def test_pipeline_resumes_after_kill_with_the_same_table(tmp_path):
   p.send_signal(signal.SIGKILL)
   p.wait()
   assert ck.exists() and "student_rl" not in json.load(open(b / "pipeline.json")), "killed at the wrong point"
-  out = subprocess.run(_cmd(b, *reuse), env=env, capture_output=True, text=True, timeout=1200)
+  out = subprocess.run(_cmd(b, *reuse), env=env, capture_output=True, text=True, timeout=1800)
   assert out.returncode == 0, out.stderr[-3000:]
-  assert not (b / "sft").exists() and "rl: resumed from generation 1" in out.stdout
+  assert not (b / "sft").exists() and not (b / "reward_model").exists()
+  assert "rl: resumed from generation 1" in out.stdout
   assert json.load(open(b / "pipeline.json")) == rows
   assert open(b / "distill" / "distilled.jsonl").read() == open(a / "distill" / "distilled.jsonl").read()
   assert (b / "summary.md").read_text() == (a / "summary.md").read_text()

@@ -282,3 +282,26 @@ def test_score_batch_gold():
   np.testing.assert_array_equal(out["reward"], out["gold"])
   out = rewards.score_batch("rubric", pref, [ex["answer"] for ex in pref])
   np.testing.assert_array_equal(out["reward"], np.array([0, 1, 0], np.float32))
+
+
+def test_by_family_routes_each_sample_to_its_familys_reward():
+  """Arithmetic and countdown rows get the rule reward, pref rows a batched reward called once on its rows only (in
+  order), through score_batch's zeroing as any batched reward."""
+  pref = [_pref("steps", 0), _pref("short", 1)]
+  exs = [_examples()[0], pref[0], _examples()[2], pref[1]]
+  comps = [exs[0]["answer"], pref[0]["answer"], _examples()[3]["answer"], "<think>never closed"]
+  seen = []
+
+  class Judge(_FakeRewardModel):
+    def score_batch(self, examples, completions):
+      seen.append(([x["prompt"] for x in examples], list(completions)))
+      return super().score_batch(examples, completions)
+
+  judge = Judge([0.7, 0.2], [False, True])
+  out = rewards.score_batch(rewards.ByFamily("rule", {"pref": judge}), exs, comps)
+  assert seen == [([pref[0]["prompt"], pref[1]["prompt"]], [pref[0]["answer"], "<think>never closed"])]
+  # arithmetic right (1), pref 0.7, countdown with another problem's answer (0), pref unparsed (0)
+  np.testing.assert_array_equal(out["reward"], np.array([1.0, 0.7, 0.0, 0.0], np.float32))
+  np.testing.assert_array_equal(out["zeroed"]["unparsed"], [False, False, False, True])
+  out = rewards.score_batch(rewards.ByFamily("gold", {"arithmetic": "rule", "countdown": "rule"}), exs, comps)
+  np.testing.assert_allclose(out["reward"], [1.0, 1.5, 0.0, 0.0])  # pref: the gold default (steps 1.5)

@@ -6,10 +6,14 @@
 
 A tool-use domain (pipeline.domains.<name>.agent) rolls out, evaluates and distills multi-turn trajectories with the
 pipeline.agent environment; pipeline.domains.<name>.overrides sets its rl / eval / distill fields (domain_config).
+A domain whose overrides.rl.reward is a learned one ("genrm" | "bt": the preference domain) trains its reward
+models on pairs of SFT samples once, in <workdir>/reward_model (rl/reward_training.py, when its expert starts), and
+the student's RL gives that domain's task families the same reward (rl.family_rewards, rewards.ByFamily).
 
 Each stage runs in its own directory (<workdir>/<stage>, or pipeline.dirs.<stage> to reuse an existing run) with its
-checkpoints, metrics and plots, then adds a row to the summary table: held-out greedy accuracy per domain
-(eval.num_examples test problems of each domain's mixture). Rows live in <workdir>/pipeline.json (written atomically
+checkpoints, metrics and plots, then adds a row to the summary table: per domain, the held-out greedy accuracy
+or, for pipeline.domains.<name>.metric = "greedy_gold", the mean hidden gold score (eval.num_examples test problems of
+each domain's mixture). Rows live in <workdir>/pipeline.json (written atomically
 after each stage); a rerun skips stages that have their row and resumes the first unfinished one from its own
 checkpoints, so a kill -9 anywhere followed by the same command ends with the same table.
 """
@@ -29,7 +33,7 @@ from stepflash_jax import parallel
 from stepflash_jax.data import load_tokenizer_dir, tasks
 from stepflash_jax.data.pipeline import example_dataset
 from stepflash_jax.files import atomic_write
-from stepflash_jax.rl import distill, trainer
+from stepflash_jax.rl import distill, reward_training, trainer
 from stepflash_jax.train import evaluate, sft
 from stepflash_jax.train import state as state_lib
 from stepflash_jax.train.metrics import summary_table
@@ -90,6 +94,8 @@ def stage_config(config, mixture: str | None = None, **sections):
 
 
 OVERRIDES = ("rl", "eval", "distill")  # the sections a domain may override
+METRICS = ("accuracy", "greedy_gold")  # a domain's summary-table column: exact match or mean gold score
+STAGE_DIRS = ("pretrain", "sft", "reward_model", "distill", "student_sft", "student_rl")  # + expert_<domain>
 
 
 def domain_config(config, name: str, **sections):
@@ -107,10 +113,18 @@ def domain_config(config, name: str, **sections):
 
 def student_rl_config(config, **rl):
   """The student's RL on all domains: multi-turn rollouts when any domain uses tools (a prompt without a call
-  ends after one turn), with the largest response budget (rl and eval) any domain asks for."""
+  ends after one turn), with the largest response budget (rl and eval) any domain asks for, and each domain's own
+  reward (overrides.rl.reward) for its task families."""
   doms = config.pipeline.domains.values()
   budget = lambda s: max([config[s].max_new_tokens] + [d.overrides.get(s, {}).get("max_new_tokens", 0) for d in doms])
-  sections = {"rl": {**rl, "max_new_tokens": budget("rl")}, "eval": {"max_new_tokens": budget("eval")}}
+  own = {
+    c.family: d.overrides.rl.reward
+    for d in doms
+    if d.overrides.get("rl", {}).get("reward", config.rl.reward) != config.rl.reward
+    for c in tasks.parse_mixture(d.mixture)
+  }
+  rl = {**rl, "max_new_tokens": budget("rl"), "family_rewards": {**dict(config.rl.family_rewards), **own}}
+  sections = {"rl": rl, "eval": {"max_new_tokens": budget("eval")}}
   if any(d.agent for d in doms):
     sections["agent"] = dict(config.pipeline.agent)
   return stage_config(config, **sections)
@@ -137,6 +151,8 @@ def check_config(config) -> None:
       raise ValueError(f"config field 'pipeline.domains.{name}.mixture': {e}") from None
     if not dom.weight > 0:
       raise ValueError(f"config field 'pipeline.domains.{name}.weight': must be > 0, got {dom.weight}")
+    if dom.metric not in METRICS:
+      raise ValueError(f"config field 'pipeline.domains.{name}.metric': one of {METRICS}, got {dom.metric!r}")
     for section in dom.overrides:
       if section not in OVERRIDES or not isinstance(dom.overrides[section], ml_collections.ConfigDict):
         raise ValueError(
@@ -156,11 +172,10 @@ def check_config(config) -> None:
   for where, c in stages.items():  # the overrides and the agent section, checked as their stage will run
     try:
       validate_run_config(c)
+      reward_training.check_config(c)
     except ValueError as e:
       raise ValueError(str(e).replace("field 'agent.", "field 'pipeline.agent.") + f" (in {where})") from None
-  unknown = (
-    set(p.dirs) - {"pretrain", "sft", "distill", "student_sft", "student_rl"} - {f"expert_{n}" for n in p.domains}
-  )
+  unknown = set(p.dirs) - set(STAGE_DIRS) - {f"expert_{n}" for n in p.domains}
   if unknown:
     raise ValueError(f"config field 'pipeline.dirs': unknown stage(s) {sorted(unknown)}")
 
@@ -170,7 +185,10 @@ def run(config, workdir: str, log=print) -> dict:
   p, domains = config.pipeline, config.pipeline.domains
   table = Table(workdir, domains)
   stage_dir = lambda name: p.dirs.get(name) or os.path.join(workdir, name)
-  base = stage_config(config, mixture=combined_mixture(domains), train=dict(init_from=stage_dir("pretrain")))
+  sections = dict(train=dict(init_from=stage_dir("pretrain")))
+  if "reward_model" in config:  # every stage with a learned reward shares the models trained there
+    sections["reward_model"] = dict(workdir=stage_dir("reward_model"))
+  base = stage_config(config, mixture=combined_mixture(domains), **sections)
   evals = {d: domain_config(base, d) for d in domains}
   eval_sets = {d: evaluate.heldout_examples(evals[d]) for d in domains}
   engines = {}  # made (and compiled) once: a multi-turn Agent per tool domain, one engine per eval length
@@ -181,7 +199,7 @@ def run(config, workdir: str, log=print) -> dict:
       key = d if domains[d].agent else c.eval.max_new_tokens
       if key not in engines:
         engines[key] = evaluate.eval_agent(c, tok) if domains[d].agent else evaluate.eval_engine(c, tok, 0.0)
-      row[d] = evaluate.accuracy(c, variables, tok, eval_sets[d], engines[key])["accuracy"]
+      row[d] = evaluate.accuracy(c, variables, tok, eval_sets[d], engines[key])[domains[d].metric]
     table.add(stage, row)
     log(f"pipeline: {stage}: " + ", ".join(f"{d} {a:.3f}" for d, a in row.items()))
 

@@ -226,46 +226,57 @@ def learned_reward(config, kind, variables, tok) -> rm_lib.LearnedReward:
   )
 
 
-def prepare(config, workdir: str, sft_variables, tok, mesh, rules, log=print) -> rm_lib.LearnedReward:
+def prepare(config, workdir: str, sft_variables, tok, mesh, rules, log=print, kind=None) -> rm_lib.LearnedReward:
   """Pairs -> every model of reward_model.train (held-out accuracies and the ceiling logged and written to
-  <workdir>/reward_models.jsonl) -> the LearnedReward of rl.reward ("bt" | "genrm"). Runs inside the mesh context.
-  reward_model.workdir: another run's directory whose pairs and models to reuse ("" = this run's)."""
+  <workdir>/reward_models.jsonl) -> the LearnedReward of `kind` (default rl.reward: "bt" | "genrm"). Runs inside
+  the mesh context. reward_model.workdir: another run's directory whose pairs and models to reuse ("" = this
+  run's)."""
+  kind = kind or config.rl.reward
   workdir = config.reward_model.get("workdir") or workdir
   data = pairs(config, sft_variables, tok, workdir, log)
   summary, rewards = {"ceiling": ceiling(data["test"]), "label_tau": config.reward_model.label_tau}, {}
-  for kind in config.reward_model.train:
-    rm_dir = os.path.join(workdir, f"reward_{kind}")
-    v = train(config, kind, rm_dir, sft_variables, tok, data["train"], mesh, rules, log)
-    rewards[kind] = learned_reward(config, kind, v, tok)
-    summary[f"{kind}_heldout_accuracy"] = heldout_accuracy(rewards[kind], data["test"])
+  if kind not in config.reward_model.train:
+    raise ValueError(f"reward {kind!r} needs it in reward_model.train={tuple(config.reward_model.train)}")
+  for k in config.reward_model.train:
+    rm_dir = os.path.join(workdir, f"reward_{k}")
+    v = train(config, k, rm_dir, sft_variables, tok, data["train"], mesh, rules, log)
+    rewards[k] = learned_reward(config, k, v, tok)
+    summary[f"{k}_heldout_accuracy"] = heldout_accuracy(rewards[k], data["test"])
   log("reward models: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()))
   write_jsonl(os.path.join(workdir, "reward_models.jsonl"), [summary])
-  if config.rl.reward not in rewards:
-    raise ValueError(
-      f"rl.reward={config.rl.reward!r} needs it in reward_model.train={tuple(config.reward_model.train)}"
-    )
-  return rewards[config.rl.reward]
+  return rewards[kind]
 
 
 def reward_for(config, workdir, sft_variables, tok, mesh, rules, log=print):
   """What rewards.score_batch gets for rl.reward: a LearnedReward ("bt" | "genrm", trained or restored here), the
-  rubric reward with rl.rubric_mapping, or the registered name."""
-  r = config.rl
-  if r.reward in rm_lib.KINDS:
-    return prepare(config, workdir, sft_variables, tok, mesh, rules, log)
-  if r.reward == "rubric" and r.get("rubric_mapping"):
-    return rewards.make_rubric_reward(dict(r.rubric_mapping))
-  return r.reward
+  rubric reward with rl.rubric_mapping, or the registered name; with rl.family_rewards ({family: reward}), a
+  rewards.ByFamily that gives those families' samples their own reward."""
+
+  def one(name):
+    if name in rm_lib.KINDS:
+      return prepare(config, workdir, sft_variables, tok, mesh, rules, log, kind=name)
+    if name == "rubric" and config.rl.get("rubric_mapping"):
+      return rewards.make_rubric_reward(dict(config.rl.rubric_mapping))
+    return name
+
+  by_family = dict(config.rl.get("family_rewards") or {})
+  if not by_family:
+    return one(config.rl.reward)
+  made = {name: one(name) for name in {config.rl.reward, *by_family.values()}}  # each reward model loaded once
+  return rewards.ByFamily(made[config.rl.reward], {f: made[n] for f, n in by_family.items()})
 
 
 def check_config(c) -> None:
   """The reward fields of an RL config (rl.reward, rl.reward_filters, rl.rubric_mapping, the reward_model section):
   a one-line ValueError naming the field, before anything runs."""
   r = c.rl
-  if r.reward not in rm_lib.KINDS + tuple(rewards.available_rewards()):
-    config_error(
-      "rl.reward", f"must be one of {rm_lib.KINDS} (learned) or {rewards.available_rewards()}, got {r.reward!r}"
-    )
+  by_family = dict(r.get("family_rewards") or {})
+  for field, name in [("rl.reward", r.reward)] + [(f"rl.family_rewards.{f}", n) for f, n in by_family.items()]:
+    if name not in rm_lib.KINDS + tuple(rewards.available_rewards()):
+      config_error(field, f"must be one of {rm_lib.KINDS} (learned) or {rewards.available_rewards()}, got {name!r}")
+  unknown = sorted(set(by_family) - set(tasks.families()))
+  if unknown:
+    config_error("rl.family_rewards", f"unknown task families {unknown}; known: {tasks.families()}")
   for f in r.get("reward_filters", ()):
     if f not in rewards.available_filters():
       config_error("rl.reward_filters", f"unknown filter {f!r}; registered: {rewards.available_filters()}")
@@ -274,13 +285,14 @@ def check_config(c) -> None:
       rewards.make_rubric_reward(dict(r.rubric_mapping))
     except ValueError as e:
       config_error("rl.rubric_mapping", str(e))
-  if r.reward not in rm_lib.KINDS:
+  learned = sorted({r.reward, *by_family.values()} & set(rm_lib.KINDS))
+  if not learned:
     return
   if "reward_model" not in c:
-    config_error("reward_model", f"rl.reward={r.reward!r} is a learned reward: the config needs a reward_model section")
+    config_error("reward_model", f"{learned} are learned rewards: the config needs a reward_model section")
   m = c.reward_model
-  if r.reward not in m.train or any(k not in rm_lib.KINDS for k in m.train):
-    config_error("reward_model.train", f"must be kinds of {rm_lib.KINDS} including rl.reward, got {tuple(m.train)}")
+  if not set(learned) <= set(m.train) or any(k not in rm_lib.KINDS for k in m.train):
+    config_error("reward_model.train", f"must be kinds of {rm_lib.KINDS} including {learned}, got {tuple(m.train)}")
   sizes = ("train_prompts", "test_prompts", "sample_batch", "steps", "batch_size", "max_len", "score_batch")
   for n, v in [(n, m[n]) for n in sizes] + [(f"lr.{k}", m.lr.get(k)) for k in m.train]:
     if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):

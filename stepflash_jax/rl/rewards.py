@@ -10,7 +10,8 @@ Interface:  reward_fn(prompt: str, completion: str, **metadata) -> float
   "gold"    the family's hidden gold score (the oracle baseline; tasks/pref.py).
 A batched reward (e.g. a learned reward model) is any object with a method
   score_batch(examples, completions) -> dict(reward=[N] float, unparsed=[N] bool)
-that `score_batch` calls once for the whole batch.
+that `score_batch` calls once for the whole batch. `ByFamily(default, {family: reward})` is one: it gives each
+sample its task family's reward (rl.family_rewards: a learned judge for preference rows among rule-rewarded ones).
 
 Filters:  filter_fn(prompt: str, completion: str, **metadata) -> bool   (True = force this reward to 0)
   "format"        no final answer ('<think>' never closed, or empty) or more than one '</think>'.
@@ -261,6 +262,32 @@ def _batched_rewards(model: Any, examples: Sequence, completions: Sequence[str])
       raise ValueError(f"batched reward field {field!r} has shape {arr.shape}, expected ({n},)")
     arrays.append(arr)
   return arrays[0], arrays[1]
+
+
+class ByFamily:
+  """A batched reward that routes each sample by its task family: rewards[family] where given, else `default`
+  (each a registered name, a per-sample fn or a batched reward; a batched one is called once on its rows). The
+  post-training student's RL uses it: rule rewards on verifiable domains, a learned judge on the preference one."""
+
+  def __init__(self, default, rewards: Mapping[str, Any]):
+    resolve = lambda r: get_reward_fn(r) if isinstance(r, str) else r
+    self.default, self.rewards = resolve(default), {f: resolve(r) for f, r in rewards.items()}
+
+  def score_batch(self, examples, completions) -> dict:
+    n = len(examples)
+    reward, unparsed = np.zeros((n,), np.float64), np.zeros((n,), bool)
+    groups: dict[Any, list[int]] = {}  # reward -> its rows
+    for i, ex in enumerate(examples):
+      groups.setdefault(self.rewards.get(ex["family"], self.default), []).append(i)
+    for fn, rows in groups.items():
+      if hasattr(fn, "score_batch"):
+        r, u = _batched_rewards(fn, [examples[i] for i in rows], [completions[i] for i in rows])
+      else:
+        kw = [example_kwargs(examples[i]) for i in rows]
+        r = np.array([_to_float(fn(examples[i]["prompt"], completions[i], **k)) for i, k in zip(rows, kw)])
+        u = np.zeros((len(rows),), bool)
+      reward[rows], unparsed[rows] = r, u
+    return {"reward": reward, "unparsed": unparsed}
 
 
 def _to_float(x: Any) -> float:

@@ -98,17 +98,24 @@ def gold_metrics(gold, baseline) -> dict:
 
 
 def _score(tok, chunks, outs) -> dict:
-  correct, truncated, groups = [], [], {}  # groups: per family and per family and difficulty
+  """{"accuracy", "truncated", "accuracy_<family>[_d<difficulty>]"} and, over the examples whose family has a hidden
+  gold scorer (tasks/pref.py), "greedy_gold": their mean gold score."""
+  correct, truncated, groups, gold = [], [], {}, []  # groups: per family and per family and difficulty
   for chunk, out in zip(chunks, outs):
     resp, trunc = np.asarray(out["response"]), np.asarray(out["truncated"])
     for b, ex in enumerate(chunk):
-      ok = tasks.check(ex, tok.decode(resp[b], stop_at_eos=True))
+      text = tok.decode(resp[b], stop_at_eos=True)
+      ok = tasks.check(ex, text)
+      if hasattr(tasks.get_task(ex["family"]), "gold"):
+        gold.append(tasks.get_task(ex["family"]).gold(ex, text))
       correct.append(ok)
       truncated.append(bool(trunc[b]))
       groups.setdefault(ex["family"], []).append(ok)
       groups.setdefault(f"{ex['family']}_d{ex['difficulty']}", []).append(ok)
   out = {"accuracy": float(np.mean(correct)), "truncated": float(np.mean(truncated))}
   out.update({f"accuracy_{f}": float(np.mean(v)) for f, v in sorted(groups.items())})
+  if gold:
+    out["greedy_gold"] = float(np.mean(gold))
   return out
 
 
