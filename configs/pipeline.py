@@ -105,7 +105,7 @@ def get_config(arg: str = ""):
   c.data.tokenizer_families = ("arithmetic", "countdown", "toolmul", "pref")
   c.data.max_prompt_len = 24  # "Use multiply: 4942*7143" with the chat markers
   p.expert_steps = 2 if small else 24  # RL generations of each expert (one domain's prompts)
-  # ~1.9 passes over the ~11K distilled examples of the three verifiable domains (small: the SFT's compiled step).
+  # ~3 passes over the ~11K distilled examples of the sixth run (~410K tokens; small: the SFT's compiled step).
   # With 400 steps the student ended 4.7 points below the arithmetic expert, with 600 7.5 above it (README)
   p.student_sft_steps = 30 if small else 600
   # the student's RL on the combined mixture (domain weights above): 48 generations x 2/3 countdown = 1.3x the
