@@ -36,7 +36,8 @@ def get_config(arg: str = ""):
   c.pipeline = p = ml_collections.ConfigDict()
   # agent: a tool-use domain (multi-turn rollouts and evals with the `agent` section below); overrides: fields of
   # the rl / eval / distill sections for this domain's expert, eval and distillation
-  # metric: the domain's column of the summary table, "accuracy" (greedy exact match) or "greedy_gold" (the mean gold score of greedy answers)
+  # metric: the domain's column of the summary table, "accuracy" (greedy exact match) or "greedy_gold" (the mean
+  # gold score of greedy answers)
   domain = lambda mixture, weight, agent=False, metric="accuracy", **overrides: dict(
     mixture=mixture, weight=weight, agent=agent, metric=metric, overrides={k: dict(v) for k, v in overrides.items()}
   )

@@ -11,11 +11,11 @@ models on pairs of SFT samples once, in <workdir>/reward_model (rl/reward_traini
 the student's RL gives that domain's task families the same reward (rl.family_rewards, rewards.ByFamily).
 
 Each stage runs in its own directory (<workdir>/<stage>, or pipeline.dirs.<stage> to reuse an existing run) with its
-checkpoints, metrics and plots, then adds a row to the summary table: per domain, the held-out greedy accuracy
-or, for pipeline.domains.<name>.metric = "greedy_gold", the mean hidden gold score (eval.num_examples test problems of
-each domain's mixture). Rows live in <workdir>/pipeline.json (written atomically
-after each stage); a rerun skips stages that have their row and resumes the first unfinished one from its own
-checkpoints, so a kill -9 anywhere followed by the same command ends with the same table.
+checkpoints, metrics and plots, then adds a row to the summary table: per domain, the held-out greedy accuracy or,
+for pipeline.domains.<name>.metric = "greedy_gold", the mean hidden gold score (eval.num_examples test problems of
+each domain's mixture). Rows live in <workdir>/pipeline.json (written atomically after each stage); a rerun skips
+stages that have their row and resumes the first unfinished one from its own checkpoints, so a kill -9 anywhere
+followed by the same command ends with the same table.
 """
 
 from __future__ import annotations

@@ -232,11 +232,11 @@ def prepare(config, workdir: str, sft_variables, tok, mesh, rules, log=print, ki
   the mesh context. reward_model.workdir: another run's directory whose pairs and models to reuse ("" = this
   run's)."""
   kind = kind or config.rl.reward
+  if kind not in config.reward_model.train:
+    raise ValueError(f"reward {kind!r} needs it in reward_model.train={tuple(config.reward_model.train)}")
   workdir = config.reward_model.get("workdir") or workdir
   data = pairs(config, sft_variables, tok, workdir, log)
   summary, rewards = {"ceiling": ceiling(data["test"]), "label_tau": config.reward_model.label_tau}, {}
-  if kind not in config.reward_model.train:
-    raise ValueError(f"reward {kind!r} needs it in reward_model.train={tuple(config.reward_model.train)}")
   for k in config.reward_model.train:
     rm_dir = os.path.join(workdir, f"reward_{k}")
     v = train(config, k, rm_dir, sft_variables, tok, data["train"], mesh, rules, log)
