@@ -167,8 +167,8 @@ def test_pipeline_resumes_after_kill_with_the_same_table(tmp_path):
   assert (judge / "preferences" / "train.jsonl").exists() and (judge / "reward_genrm").exists()
   counts = json.load(open(a / "distill" / "counts.json"))
   # each domain samples its own prompts x samples (the tool domain's distill overrides: 16 x 1)
-  c = load_config_file(os.path.join(ROOT, "configs", "pipeline.py"), "small")
-  sampled = {d: posttrain.domain_config(c, d).distill for d in counts}
+  small = load_config_file(os.path.join(ROOT, "configs", "pipeline.py"), "small")
+  sampled = {d: posttrain.domain_config(small, d).distill for d in counts}
   sampled = {d: x.prompts * x.samples for d, x in sampled.items()}
   assert {d: n["sampled"] for d, n in counts.items()} == sampled and sampled["tool"] == 16
   for c in counts.values():

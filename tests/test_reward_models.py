@@ -128,6 +128,24 @@ def test_bt_labels_and_ceiling():
   assert rt.ceiling(recs) == pytest.approx(2 / 3)
 
 
+def test_greedy_eval_scores_gold_over_the_gold_families_only():
+  """The eval's greedy_gold (the pipeline's preference column): the mean gold score over the examples whose family
+  has a gold scorer, here steps 1.5 and a bare right sum 1.0; an arithmetic example adds accuracy but no gold."""
+  from stepflash_jax.train import evaluate
+
+  exs = [pref.make_example([3, 4, 5], 3, "steps"), pref.make_example([3, 4, 5], 3, "short")]
+  exs.append(tasks.generate("arithmetic", 0, 3, variant="+"))
+
+  class Tok:  # response row b decodes to example b's demonstration
+    def decode(self, row, stop_at_eos=True):
+      return exs[int(row[0])]["answer"]
+
+  out = evaluate._score(Tok(), [exs], [{"response": np.arange(3)[:, None], "truncated": np.zeros(3, bool)}])
+  assert out["greedy_gold"] == pytest.approx(1.25) and out["accuracy"] == 1.0
+  out = evaluate._score(Tok(), [exs[2:]], [{"response": np.array([[2]]), "truncated": np.zeros(1, bool)}])
+  assert "greedy_gold" not in out
+
+
 def test_gold_metrics_win_rate_counts_ties_half():
   from stepflash_jax.train.evaluate import gold_metrics
 

@@ -106,8 +106,9 @@ def _score(tok, chunks, outs) -> dict:
     for b, ex in enumerate(chunk):
       text = tok.decode(resp[b], stop_at_eos=True)
       ok = tasks.check(ex, text)
-      if hasattr(tasks.get_task(ex["family"]), "gold"):
-        gold.append(tasks.get_task(ex["family"]).gold(ex, text))
+      gold_fn = getattr(tasks.get_task(ex["family"]), "gold", None)
+      if gold_fn is not None:
+        gold.append(gold_fn(ex, text))
       correct.append(ok)
       truncated.append(bool(trunc[b]))
       groups.setdefault(ex["family"], []).append(ok)
