@@ -85,8 +85,13 @@ def test_stage_configs_of_a_tool_domain():
   )
   with c.pipeline.domains.tool.unlocked():
     c.pipeline.domains.tool.overrides.distill = dict(samples=2)
+    c.pipeline.domains.tool.overrides.rl.steps = 7
   posttrain.check_config(c)
   assert (posttrain.domain_config(c, "tool").distill.samples, c.distill.samples) == (2, 4)
+  # an expert runs its domain's overrides.rl.steps generations, or pipeline.expert_steps without one
+  tool, arith = posttrain.expert_config(c, "tool", "s"), posttrain.expert_config(c, "arithmetic", "s")
+  assert (tool.rl.steps, tool.rl.sft_workdir, tool.rl.actor_lr) == (7, "s", 1e-4)
+  assert (arith.rl.steps, arith.rl.sft_workdir) == (c.pipeline.expert_steps, "s")
 
 
 def test_distilled_tool_transcript_is_the_sft_answer_format(tmp_path):

@@ -111,6 +111,13 @@ def domain_config(config, name: str, **sections):
   return stage_config(config, dom.mixture, **extra)
 
 
+def expert_config(config, name: str, sft_dir: str):
+  """Domain `name`'s expert: RL from the SFT run in sft_dir for its overrides.rl.steps generations, else
+  pipeline.expert_steps."""
+  steps = config.pipeline.domains[name].overrides.get("rl", {}).get("steps", config.pipeline.expert_steps)
+  return domain_config(config, name, rl=dict(sft_workdir=sft_dir, steps=steps))
+
+
 def student_rl_config(config, **rl):
   """The student's RL on all domains: multi-turn rollouts when any domain uses tools (a prompt without a call
   ends after one turn), with the largest response budget (rl and eval) any domain asks for, and each domain's own
@@ -223,8 +230,7 @@ def _stages(base, table, stage_dir, record, log):
   for d in domains:
     name = f"expert_{d}"
     if name not in table.rows:
-      expert = domain_config(base, d, rl=dict(sft_workdir=stage_dir("sft"), steps=p.expert_steps))
-      trainer.run(expert, stage_dir(name), log=log)
+      trainer.run(expert_config(base, d, stage_dir("sft")), stage_dir(name), log=log)
       record(name, *_exported(base, stage_dir(name)))
   data_path = os.path.join(stage_dir("distill"), "distilled.jsonl")
   if not os.path.exists(data_path):
