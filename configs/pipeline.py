@@ -2,13 +2,12 @@
 per domain -> self-distillation by rejection sampling -> student SFT from the pre-training checkpoint -> student RL
 on all domains, with a per-domain accuracy table (<workdir>/summary.md).
 
-  python experiments/run.py --config=configs/pipeline.py          # runs/pipeline: 1 h 50 min (2026-12-03)
+  python experiments/run.py --config=configs/pipeline.py          # runs/pipeline: 1 h 35 min (2026-12-03)
   python experiments/run.py --config=configs/pipeline.py:small    # test-suite size: 6 min 55 s cold (2026-12-03)
-The full run took 160 CPU-minutes on a slow 2-core VM; the small one ran alone with a fresh cache.
-The domains are arithmetic, countdown, tool use (multi-turn, with the calculator tool) and preference (a learned
-judge's reward, scored by its hidden gold score); the times above are of the run before the preference domain.
-The two-domain pipeline took ~61 min on a slow 2-core VM (2026-12-02). The measured tables and what falls short of
-the issue's targets: README, "The post-training pipeline".
+The full run took 148 CPU-minutes on a 2-core AMD EPYC VM from a fresh clone; the small one ran alone with a fresh
+cache. The domains are arithmetic, countdown, tool use (multi-turn, with the calculator tool) and preference (a
+learned judge's reward, scored by its hidden gold score). The measured tables and what falls short of the issue's
+targets: README, "The post-training pipeline" (seventh run).
 Rerunning the same command resumes at the first unfinished stage; --config.pipeline.dirs.sft=DIR (or any stage)
 reuses an existing run.
 """
