@@ -52,7 +52,7 @@ def get_config(arg: str = ""):
     c.train.steps = c.train.eval_every = 300
     c.data.max_prompt_len = 32
     c.eval.dtype, c.eval.max_new_tokens = "float32", 64
-    # the LRs the lab table in README was measured with (the main job now runs its actor at 5e-5)
+    # the LRs the lab table in README was measured with (the main job now runs its actor at 3e-5)
     c.rl.max_new_tokens, c.rl.actor_lr, c.rl.critic_lr = 64, 1e-4, 2.5e-4
   # One batch size (12 small / 24 full) for every engine call: RL rollouts, probe, eval share compiled programs.
   c.eval.num_examples = 12 if small else 96
