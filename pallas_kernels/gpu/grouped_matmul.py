@@ -54,7 +54,9 @@ def _gmm_kernel(
     w = rhs_ref[g_rhs, cols, ks] if transpose_rhs else rhs_ref[g_rhs, ks, cols]
     return acc + dot(lhs_ref[rows, ks], w, NT if transpose_rhs else NN)
 
-  n_steps = jnp.where(g < n_groups, k_tiles, 0)  # tail group: no compute, stores zeros
+  # k_tiles for a real group, 0 for the tail group (g == n_groups: stores zeros). Integer arithmetic, not jnp.where:
+  # jax 0.11's Triton lowering turned where(pred, 1, 0) into an i1 loop bound that fails verification.
+  n_steps = jnp.clip((n_groups - g) * k_tiles, 0, k_tiles)
   acc = lax.fori_loop(0, n_steps, body, jnp.zeros((tm, tn), jnp.float32))
   row_ids = tile * tm + lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
   mask = (row_ids >= starts_ref[g]) & (row_ids < ends_ref[g]) & (t < nvis_ref[0])

@@ -11,8 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from stepflash_jax import ops
-from stepflash_jax.ops.common import resolve_implementation
-from stepflash_jax.ops.grouped_matmul import take_rows, tile_layout, tile_matmul
+from stepflash_jax.ops.grouped_matmul import resolve, take_rows, tile_layout, tile_matmul
 
 
 def clamped_swiglu(gate: jax.Array, up: jax.Array, limit) -> jax.Array:
@@ -68,8 +67,8 @@ def routed_experts(rows, expert, wg, wu, wd, limit, implementation):
   """The expert path: row m of rows [M, H] through SwiGLU expert expert[m] -> [M, H] in rows.dtype.
 
   expert [M] int in [0, E]; E = no expert (output 0). wg/wu [E, H, F], wd [E, F, H]. Rows are sorted by expert
-  (a permutation, gathered both ways) and the experts run as grouped matmuls (ops.grouped_matmul). "xla" (the CPU /
-  GPU default) runs the whole FFN in one padded-tile layout (ops.grouped_matmul.tile_layout): one row gather in,
+  (a permutation, gathered both ways) and the experts run as grouped matmuls (ops.grouped_matmul). "xla" (the CPU
+  default) runs the whole FFN in one padded-tile layout (ops.grouped_matmul.tile_layout): one row gather in,
   gate, up and down as batched matmuls over the tiles, one gather out (the same products as three separate grouped
   matmuls, which move the rows six times; on the 2-core CPU the train step takes the same time and compiles ~12%
   faster, 2026-12-03).
@@ -78,7 +77,7 @@ def routed_experts(rows, expert, wg, wu, wd, limit, implementation):
   order = jnp.argsort(expert, stable=True).astype(jnp.int32)
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(M, dtype=jnp.int32))
   sizes = jnp.zeros((E + 1,), jnp.int32).at[expert].add(1)[:E]  # rows of "no expert" sort past sum(sizes): 0
-  if resolve_implementation(implementation) == "xla" and M > 0:
+  if resolve(implementation) == "xla" and M > 0:
     src, dest, tiles = tile_layout(sizes, M)  # in sorted order: compose with the sort
     src, dest = jnp.where(src < M, order[jnp.minimum(src, M - 1)], M), dest[inverse]
     x = take_rows(rows, src, dest).reshape(tiles.shape[0], -1, rows.shape[1])

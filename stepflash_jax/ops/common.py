@@ -7,10 +7,12 @@ import jax
 IMPLEMENTATIONS = ("reference", "xla", "pallas")
 
 
-def resolve_implementation(implementation):
-  """None -> "pallas" on a TPU backend, "xla" elsewhere; anything but IMPLEMENTATIONS raises ValueError."""
+def resolve_implementation(implementation, gpu: str = "xla"):
+  """None -> "pallas" on a TPU backend, `gpu` on a GPU backend (the op's measured winner there), "xla" on CPU;
+  anything but IMPLEMENTATIONS raises ValueError."""
   if implementation is None:
-    return "pallas" if jax.default_backend() == "tpu" else "xla"
+    backend = jax.default_backend()
+    return "pallas" if backend == "tpu" else gpu if backend == "gpu" else "xla"
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be 'reference', 'xla', 'pallas' or None, got {implementation!r}")
   return implementation
