@@ -81,6 +81,7 @@ def test_rl_batching_fields_are_validated(setup):
   from stepflash_jax.train.validate import validate_run_config
 
   cfg = setup[0].copy_and_resolve_references()
+  cfg.rl.pack = 0.0  # packed batches run as one pass (tests/test_packing.py)
   n = cfg.rl.prompts_per_step * cfg.rl.samples_per_prompt  # 48 rows: 12 per actor and 4 per critic mini-batch
   cfg.rl.actor_minibatches, cfg.rl.critic_minibatches = n // 12, n // 4
   for ok in (0, 1, 2, 4, 16):  # 16: larger than both, each mini-batch is one pass

@@ -54,7 +54,7 @@ def test_critic_values_are_aligned_with_states(setup):
   b = batches.sequences(prompts, gen)
   cv = critic_from_actor(v)
   cv["params"]["value_head"]["kernel"] = jnp.ones_like(cv["params"]["value_head"]["kernel"])
-  vals = response_values(args, cv, b["tokens"], b["positions"], b["segment_ids"], P)
+  vals = response_values(args, cv, b, P)
   full = M.apply(args, cv, b["tokens"], positions=b["positions"], segment_ids=b["segment_ids"], head="value")["values"]
   assert vals.shape == (2, R + 1)
   np.testing.assert_allclose(vals[:, 0], full[:, P - 1])
@@ -321,6 +321,7 @@ def _rl_cmd(workdir, steps, sft_workdir="", overlap=False):
     "--config.rl.max_new_tokens=8",
     "--config.rl.rollout_slots=2",  # continuous batching: 2 rows serve the 4 responses (static: notebooks 02, 04)
     "--config.rl.micro_batch=1",  # every pass in micro-batches of one row
+    "--config.rl.pack=0",  # (packing runs whole batches: tests/test_packing.py)
     "--config.rl.max_staleness=1",  # generation j sampled by the actor of j - 1 ...
     f"--config.rl.async={overlap}",  # ... in the background while j - 1 trains, or in turn
     "--config.rl.checkpoint_every=2",

@@ -1,7 +1,8 @@
 """One RL generation's updates at the main job's shapes: the actor's and the critic's mini-batch sequences one after
-the other vs side by side (`parallel.concurrently`, what rl/trainer.py runs), and the three scoring programs.
+the other vs side by side (`parallel.concurrently`, what rl/trainer.py runs), and the three scoring programs; with
+the config's rl.pack > 0, also packed vs unpacked sequences (docs/rl.md §1, step 8).
 
-    python experiments/benchmarks/rl_updates.py [--reps 3] [--micro-batch N]  # ~4 minutes on 2 cores (compile ~90 s)
+    python experiments/benchmarks/rl_updates.py [--reps 3] [--micro-batch N]  # ~8 minutes on 2 cores
 
 Shapes of configs/mispo.py: 192 responses of 20 prompt + 48 response tokens, 4 actor and 12 critic mini-batches,
 the tiny model (configs/model/tiny.py) in float32, Muon. Prints wall and process CPU seconds per variant and the
@@ -22,6 +23,7 @@ import stepflash_jax as sfj
 from stepflash_jax import model as model_lib
 from stepflash_jax import parallel
 from stepflash_jax.config import load_config_file
+from stepflash_jax.rl import packing
 from stepflash_jax.rl.batches import minibatches
 from stepflash_jax.rl.critic import critic_from_actor
 from stepflash_jax.rl.programs import Programs
@@ -33,15 +35,18 @@ sys.path.insert(0, ROOT)  # configs/mispo.py imports configs.sft
 
 
 def generation(n, P, R, vocab, rng):
-  """A synthetic generation: random prompt / response tokens, responses of random length."""
-  lens = rng.integers(R // 4, R + 1, n)
-  mask = (np.arange(R)[None] < lens[:, None]).astype(np.float32)
-  tokens = rng.integers(3, vocab, (n, P + R)).astype(np.int32)
+  """A synthetic generation with the main job's lengths: left-padded prompts of 7-17 tokens (mean 12 of P = 20),
+  responses of 12-43 tokens (mean 27.5 of R = 48)."""
+  plen, rlen = rng.integers(7, min(P, 17) + 1, n), rng.integers(12, min(R, 43) + 1, n)
+  mask = (np.arange(R)[None] < rlen[:, None]).astype(np.float32)
+  prompt_seg = (np.arange(P)[None] >= (P - plen)[:, None]).astype(np.int32)
+  tokens = rng.integers(3, vocab, (n, P + R)).astype(np.int32) * np.concatenate([prompt_seg, mask.astype(np.int32)], 1)
+  pos = np.concatenate([np.maximum(np.arange(P)[None] - (P - plen)[:, None], 0), plen[:, None] + np.arange(R)], 1)
   f = lambda: rng.normal(-1.0, 0.3, (n, R)).astype(np.float32)
   return {
     "tokens": tokens,
-    "positions": np.tile(np.arange(P + R, dtype=np.int32), (n, 1)),
-    "segment_ids": np.concatenate([np.ones((n, P), np.int32), mask.astype(np.int32)], 1),
+    "positions": pos.astype(np.int32),
+    "segment_ids": np.concatenate([prompt_seg, mask.astype(np.int32)], 1),
     "response": tokens[:, P:],
     "mask": mask,
     **{k: f() for k in ("logp_rollout", "logp_old", "logp_ref", "adv", "returns")},
@@ -57,6 +62,8 @@ def main():
   c = load_config_file(os.path.join(ROOT, "configs", "mispo.py"))
   if a.micro_batch is not None:
     c.rl.micro_batch = a.micro_batch
+    if a.micro_batch:
+      c.rl.pack = 0.0  # packed batches run as one pass
   print(f"rl.micro_batch = {c.rl.micro_batch}")
   rc, P, R = c.rl, c.data.max_prompt_len, c.rl.max_new_tokens
   n = rc.prompts_per_step * rc.samples_per_prompt
@@ -71,44 +78,51 @@ def main():
   }
   batch = generation(n, P, R, c.model.vocab_size, np.random.default_rng(0))
   mesh, rules = parallel.make_mesh(c.mesh), parallel.rules(c)
-  with parallel.use_mesh(mesh, rules):
-    fns = Programs(args, rc, actor_tx, critic_tx, P, frozen_mask(v["params"], rc.freeze_router))
-    fns.compile(state, batch, (rc.actor_minibatches, rc.critic_minibatches), mesh, rules)
-    amb = list(minibatches(batch, rc.actor_minibatches, np.random.default_rng(1), mesh, rules))
-    cmb = list(minibatches(batch, rc.critic_minibatches, np.random.default_rng(2), mesh, rules))
-  jb = jax.tree.map(jnp.asarray, batch)
   kl = jnp.float32(rc.kl_coef)
+  cases = {}
+  for pack in sorted({0.0, rc.get("pack", 0.0)}, reverse=True):  # the config's first, then unpacked
+    with parallel.use_mesh(mesh, rules):
+      rp = rc.copy_and_resolve_references()
+      rp.pack = pack
+      fns = Programs(args, rp, actor_tx, critic_tx, P, frozen_mask(v["params"], rc.freeze_router))
+      fns.compile(state, batch, (rc.actor_minibatches, rc.critic_minibatches), mesh, rules)
+      amb = list(minibatches(batch, rc.actor_minibatches, np.random.default_rng(1), mesh, rules, pack))
+      cmb = list(minibatches(batch, rc.critic_minibatches, np.random.default_rng(2), mesh, rules, pack))
+    jb = jax.tree.map(jnp.asarray, packing.add(batch, pack))
+    print(f"rl.pack = {pack}: {sum(map(packing.packed, amb + cmb))} of {len(amb + cmb)} mini-batches packed")
 
-  def actor():
-    s = state["actor"]
-    for mb in amb:
-      s, _ = fns.actor_step(s, mb, kl)
-    return jax.block_until_ready(s)
+    def run(steps, s, mbs, *extra):
+      for mb in mbs:
+        s, _ = steps(s, mb, *extra)
+      return jax.block_until_ready(s)
 
-  def critic():
-    s = state["critic"]
-    for mb in cmb:
-      s, _ = fns.critic_step(s, mb)
-    return jax.block_until_ready(s)
-
-  scores = dict(
-    actor=lambda: fns.score(v["params"], v["router"], jb),
-    ref=lambda: fns.score(v["params"], v["router"], jb),
-    values=lambda: fns.values(cv["params"], cv["router"], jb),
-  )
-  cases = {
-    "updates one after the other": (lambda: (actor(), critic()), ()),
-    "updates side by side": (lambda: parallel.concurrently(actor=actor, critic=critic), ()),
-    "scoring one after the other": (lambda: [jax.block_until_ready(f()) for f in scores.values()], ()),
-    "scoring side by side": (lambda: parallel.concurrently(**scores), ()),
-  }
+    actor = lambda fns=fns, amb=amb: run(fns.actor_step, state["actor"], amb, kl)
+    critic = lambda fns=fns, cmb=cmb: run(fns.critic_step, state["critic"], cmb)
+    scores = dict(
+      actor=lambda fns=fns, jb=jb: fns.score(v["params"], v["router"], jb),
+      ref=lambda fns=fns, jb=jb: fns.score(v["params"], v["router"], jb),
+      values=lambda fns=fns, jb=jb: fns.values(cv["params"], cv["router"], jb),
+    )
+    tag = f" (pack {pack})"
+    if pack == rc.get("pack", 0.0):
+      cases["updates one after the other" + tag] = (lambda a=actor, c=critic: (a(), c()), ())
+      cases["scoring one after the other" + tag] = (
+        lambda sc=scores: [jax.block_until_ready(f()) for f in sc.values()],
+        (),
+      )
+    cases["updates side by side" + tag] = (lambda a=actor, c=critic: parallel.concurrently(actor=a, critic=c), ())
+    cases["scoring side by side" + tag] = (lambda sc=scores: parallel.concurrently(**sc), ())
   res = bench(cases, reps)
-  print(f"{'case':32s} {'wall s (median)':>16s} {'CPU s':>8s}")
+  print(f"{'case':44s} {'wall s (median)':>16s} {'CPU s':>8s}")
   for k, (wall, _, cpu) in res.items():
-    print(f"{k:32s} {wall:16.2f} {cpu:8.2f}")
+    print(f"{k:44s} {wall:16.2f} {cpu:8.2f}")
+  f = rc.get("pack", 0.0)
   for what in ("updates", "scoring"):
-    seq, par = res[f"{what} one after the other"][0], res[f"{what} side by side"][0]
+    seq, par = res[f"{what} one after the other (pack {f})"][0], res[f"{what} side by side (pack {f})"][0]
     print(f"{what}: one after the other / side by side = {seq / par:.2f}x wall")
+    if f:
+      plain, packed = res[f"{what} side by side (pack 0.0)"], res[f"{what} side by side (pack {f})"]
+      print(f"{what}: unpacked / packed = {plain[0] / packed[0]:.2f}x wall, {plain[2] / packed[2]:.2f}x CPU")
 
 
 if __name__ == "__main__":

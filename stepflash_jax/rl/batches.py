@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from stepflash_jax import parallel
+from stepflash_jax.rl import packing
 
 
 def sequences(prompts, gen):
@@ -36,8 +37,10 @@ def repeat_prompts(batch, n):
   return out
 
 
-def minibatches(batch, n, rng, mesh, rules):
-  """`n` mini-batches of a generation's rows, one random permutation split evenly (placed on the mesh)."""
+def minibatches(batch, n, rng, mesh, rules, pack: float = 0.0):
+  """`n` mini-batches of a generation's rows, one random permutation split evenly (placed on the mesh); each
+  packed (rl/packing.py) when `pack` > 0 and its sequences fit."""
   perm = rng.permutation(len(batch["mask"]))
   for idx in np.array_split(perm, n):
-    yield parallel.shard_batch({k: v[idx] for k, v in batch.items()}, mesh, rules, global_batch=True)
+    mb = packing.add({k: v[idx] for k, v in batch.items()}, pack)
+    yield parallel.shard_batch(mb, mesh, rules, global_batch=True)

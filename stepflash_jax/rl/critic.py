@@ -8,6 +8,7 @@ column. `response_values` returns [B, R + 1] in that convention (what `gae_advan
 import jax.numpy as jnp
 
 from stepflash_jax import model as model_lib
+from stepflash_jax.rl import packing
 
 
 def critic_from_actor(actor_variables):
@@ -18,7 +19,11 @@ def critic_from_actor(actor_variables):
   return {"params": params, "router": actor_variables["router"]}
 
 
-def response_values(args, variables, tokens, positions, segment_ids, prompt_len: int):
-  """tokens [B, P + R] -> V(s_t) for t = 0..R as float32 [B, R + 1]."""
+def response_values(args, variables, mb, prompt_len: int):
+  """mb["tokens"] [B, P + R] (with mb["positions"], mb["segment_ids"], packed or not: rl/packing.py) -> V(s_t)
+  for t = 0..R as float32 [B, R + 1]."""
+  tokens, positions, segment_ids = packing.inputs(mb)
   v = model_lib.apply(args, variables, tokens, positions=positions, segment_ids=segment_ids, head="value")["values"]
+  if packing.packed(mb):
+    v = packing.unpack(v, mb)
   return v[:, prompt_len - 1 :]

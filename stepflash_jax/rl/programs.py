@@ -19,7 +19,7 @@ from stepflash_jax.model.moe import stat_layers
 from stepflash_jax.model.transformer import head_logits
 from stepflash_jax.model.replay import moe_layer_names
 from stepflash_jax.rl import advantages as adv_lib
-from stepflash_jax.rl import losses
+from stepflash_jax.rl import losses, packing
 from stepflash_jax.rl.batches import minibatches
 from stepflash_jax.rl.critic import response_values
 from stepflash_jax.sampling import sampling_logprobs
@@ -79,7 +79,11 @@ def valid_denominator(mask):
 
 def split_rows(tree, micro: int):
   """Every leaf [n, ...] -> [n / micro, micro, ...]: the micro-batches of a (mini-)batch (rl.micro_batch rows)."""
-  n = jax.tree.leaves(tree)[0].shape[0]
+  n = tree["mask"].shape[0]
+  if micro == n:  # one micro-batch (a packed batch always: its packed leaves have their own row count)
+    return jax.tree.map(lambda x: x[None], tree)
+  if packing.packed(tree):
+    raise ValueError("a packed batch (rl.pack) runs as one micro-batch: rl.micro_batch must be 0")
   if n % micro:
     raise ValueError(f"rl.micro_batch={micro} does not divide a batch of {n} rows")
   return jax.tree.map(lambda x: x.reshape(n // micro, micro, *x.shape[1:]), tree)
@@ -147,18 +151,26 @@ def response_heads(args, variables, mb, prompt_len, replay=False):
   """The training engine's main head on the response: ((normed hidden [n, R, H] at the positions predicting each
   response token, head weight [H, V]), MoE stats); no logits (`model.head_logprobs`). replay: the MoE layers use
   the rollout's experts mb["rollout_experts"] (router replay, model/replay.py)."""
+  tokens, positions, segment_ids = packing.inputs(mb)
+  replay_experts = None
+  if replay:
+    replay_experts = experts_dict(args, mb)
+    if packing.packed(mb):
+      replay_experts = {k: packing.pack(v, mb) for k, v in replay_experts.items()}
   out, st = model_lib.apply(
     args,
     variables,
-    mb["tokens"],
-    positions=mb["positions"],
-    segment_ids=mb["segment_ids"],
+    tokens,
+    positions=positions,
+    segment_ids=segment_ids,
     stats=True,
-    replay_experts=experts_dict(args, mb) if replay else None,
+    replay_experts=replay_experts,
     logits=False,
   )
   R = mb["tokens"].shape[1] - prompt_len
   hn, w = out["heads"][0]
+  if packing.packed(mb):
+    hn, st = packing.unpack(hn, mb), packing.unpack_stats(st, mb)
   return (hn[:, prompt_len - 1 : prompt_len - 1 + R], w), st
 
 
@@ -252,7 +264,7 @@ class Programs:
   (docs/rl.md §1, step 6)."""
 
   def __init__(self, args, rcfg, actor_tx, critic_tx, prompt_len, freeze_mask):
-    P = prompt_len
+    P, self.rcfg = prompt_len, rcfg
     sampling = dict(temperature=rcfg.get("temperature", 1.0), top_p=rcfg.get("top_p", 1.0))
     micro = lambda mb: min(rcfg.get("micro_batch", 0) or mb["mask"].shape[0], mb["mask"].shape[0])
 
@@ -274,7 +286,7 @@ class Programs:
     def critic_values(cp, router, m):
       """V(s_t) [n, R + 1] of a (micro-)batch."""
       variables = {"params": cp, "router": router}
-      return response_values(args, variables, m["tokens"], m["positions"], m["segment_ids"], P)
+      return response_values(args, variables, m, P)
 
     def values(cp, router, mb):
       return merge_rows(jax.lax.map(lambda m: critic_values(cp, router, m), split_rows(mb, micro(mb))))
@@ -333,7 +345,7 @@ class Programs:
     self.mismatch = jax.jit(lambda mb: mismatch_stats(rcfg, mb))
 
   def _call(self, name, replay, *xs):
-    exe = self._exe.get((name, replay))
+    exe = self._exe.get((name, replay, any(packing.packed(x) for x in xs if isinstance(x, dict))))
     if exe is not None:
       return exe(*xs)
     return self._jit[name](*xs) if replay is None else self._jit[name](*xs, replay=replay)
@@ -362,8 +374,9 @@ class Programs:
     the router-replay flags the run will use (the scoring pass without replay always runs: flip rates)."""
     n, R = batch["mask"].shape
     full = {**batch, **{k: np.zeros((n, R), np.float32) for k in ("logp_old", "logp_ref", "adv", "returns")}}
-    jb = parallel.shard_batch(batch, mesh, rules, global_batch=True)
-    amb, cmb = (next(minibatches(full, m, np.random.default_rng(0), mesh, rules)) for m in minibatch_counts)
+    pack = self.rcfg.get("pack", 0.0)
+    jb = parallel.shard_batch(packing.add(batch, pack), mesh, rules, global_batch=True)
+    amb, cmb = (next(minibatches(full, m, np.random.default_rng(0), mesh, rules, pack)) for m in minibatch_counts)
     a, c = state["actor"], state["critic"]
     jobs = {("values", None): (c["params"], c["router"], jb), ("critic_step", None): (c, cmb)}
     for flag in sorted(set(replay) | {False}):
@@ -374,4 +387,5 @@ class Programs:
     lower = lambda key: self.lower(key[0], *jobs[key], replay=key[1]).compile()
 
     done = parallel.concurrently(**{f"{k[0]}/{k[1]}": lambda k=k: lower(k) for k in jobs})
-    self._exe.update({k: done[f"{k[0]}/{k[1]}"] for k in jobs})
+    packed = lambda k: any(packing.packed(x) for x in jobs[k] if isinstance(x, dict))
+    self._exe.update({(*k, packed(k)): done[f"{k[0]}/{k[1]}"] for k in jobs})

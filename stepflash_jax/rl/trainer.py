@@ -37,7 +37,7 @@ from stepflash_jax.files import atomic_write
 from stepflash_jax.rl.batches import minibatches, repeat_prompts, sequences
 from stepflash_jax.rl.critic import critic_from_actor
 from stepflash_jax.rl.programs import Programs, kl_coef_at
-from stepflash_jax.rl import reward_training
+from stepflash_jax.rl import packing, reward_training
 from stepflash_jax.rl.rewards import score_batch
 from stepflash_jax.rl.rollouts import RolloutQueue
 from stepflash_jax.sampling import RolloutEngine
@@ -278,7 +278,7 @@ def score_generation(fns, state, ref, batch, scored, rc, mesh, rules, replay=Fal
   programs run side by side (with router replay, logp_old comes from a second actor pass on the rollout's
   experts); then advantages, returns and the mismatch statistics. Adds logp_old, logp_ref, adv and returns (host
   arrays) to `batch`; returns the generation's scoring outputs."""
-  jb = parallel.shard_batch(batch, mesh, rules, global_batch=True)
+  jb = parallel.shard_batch(packing.add(batch, rc.get("pack", 0.0)), mesh, rules, global_batch=True)
   actor, critic = state["actor"], state["critic"]
   thunks = dict(
     actor=lambda: fns.score(actor["params"], actor["router"], jb),
@@ -308,8 +308,9 @@ def update(fns, state, batch, rc, step, rng, mesh, rules, replay=False):
   """One epoch over the generation: rl.actor_minibatches actor updates (router replay on the rollout's experts if
   `replay`) and rl.critic_minibatches critic updates, the two sequences side by side (neither reads the other's
   parameters). Returns (state, actor and critic metrics per update, on the host)."""
-  amb = list(minibatches(batch, rc.actor_minibatches, rng, mesh, rules))
-  cmb = list(minibatches(batch, rc.critic_minibatches, rng, mesh, rules))
+  pack = rc.get("pack", 0.0)
+  amb = list(minibatches(batch, rc.actor_minibatches, rng, mesh, rules, pack))
+  cmb = list(minibatches(batch, rc.critic_minibatches, rng, mesh, rules, pack))
   kl_coef = jnp.float32(kl_coef_at(rc, step))
 
   def epoch(step_fn, s, mbs, *extra):
@@ -324,7 +325,9 @@ def update(fns, state, batch, rc, step, rng, mesh, rules, replay=False):
     critic=lambda: epoch(fns.critic_step, state["critic"], cmb),
   )
   state = {**state, "actor": done["actor"][0], "critic": done["critic"][0], "step": state["step"] + 1}
-  return state, parallel.to_host(done["actor"][1]), parallel.to_host(done["critic"][1])
+  am, cm = parallel.to_host(done["actor"][1]), parallel.to_host(done["critic"][1])
+  packed = float(np.mean([packing.packed(mb) for mb in amb + cmb]))  # rl.pack: the mini-batches that fit
+  return state, [{**m, "packed_frac": packed} for m in am], cm
 
 
 def generation_metrics(batch, gen, scored, scores, am, cm) -> dict:

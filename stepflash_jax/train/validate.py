@@ -86,6 +86,8 @@ def validate_run_config(c, num_devices: int | None = None) -> None:
     sizes = mesh_shape(c.mesh, num_devices)
     if c.model.num_experts % sizes["expert"]:
       _err("mesh.expert", f"{sizes['expert']} does not divide model.num_experts={c.model.num_experts}")
+    if "rl" in c and c.rl.get("pack", 0.0) and any(v > 1 for v in sizes.values()):
+      _err("rl.pack", f"packing runs on one device (its rows are not laid out for a mesh), not a mesh of {sizes}")
   if "rules" in c.mesh:
     check_rules(tuple(tuple(r) for r in c.mesh.rules))
 
@@ -151,6 +153,13 @@ def _check_rl(c):
   for rows, what in [(n, "generation")] + [(n // r[k], f"mini-batches of rl.{k}={r[k]}") for k in MINIBATCHES]:
     if micro and rows > micro and rows % micro:  # a batch no larger than micro_batch is one pass
       _err("rl.micro_batch", f"{micro} does not divide the {rows}-row {what}")
+  pack = r.get("pack", 0.0)
+  if isinstance(pack, bool) or not isinstance(pack, (int, float)) or not 0 <= pack <= 1:
+    _err(
+      "rl.pack", f"must be a number in [0, 1] (packed rows as a fraction of the unpacked slots; 0 = off), got {pack!r}"
+    )
+  if pack and micro:
+    _err("rl.pack", f"packed batches run as one model pass: needs rl.micro_batch 0, got {micro}")
   stale = r.get("max_staleness", 0)
   if isinstance(stale, bool) or not isinstance(stale, int) or stale < 0:
     _err("rl.max_staleness", f"must be an integer >= 0 (generations between sampling and training), got {stale!r}")
