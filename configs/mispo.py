@@ -1,14 +1,15 @@
 """The main job: SFT of the tiny Step 3.5 Flash, then RL with MIS-PO and a critic (docs/rl.md, toy scale).
 
-  python experiments/run.py --config=configs/mispo.py            # 16 min on 2 cores (AMD EPYC, 2026-12-04), runs/mispo
+  python experiments/run.py --config=configs/mispo.py            # 13 min on 2 cores (AMD EPYC, 2026-12-04), runs/mispo
   python experiments/run.py --config=configs/mispo.py:small      # ~3 minute smoke run of every stage
   python experiments/run.py --config=configs/mispo.py:pretrained # SFT from the pre-training stage (configs/pretrain.py)
 configs/ppo.py and configs/gspo.py are this file with another objective (same budget, same seeds).
 Measured 2026-12-01 (Intel Xeon @ 2.00GHz, 2 cores): held-out exact match (1344 problems) 0.574 after SFT -> 0.687 /
 0.687 / 0.674 after RL (+11.3 / +11.2 / +10.0 for RL seeds 0 / 1 / 2 from that run's SFT checkpoint at this actor
-LR); 2026-12-02, SFT seeds 1 / 2 (--config.seed): +12.0 / +10.3. 2026-12-04 (AMD EPYC, 2 cores, fresh clone): 15 min
-49 s, 26.0 CPU-minutes, 0.525 -> 0.637 (+11.2). Time, gain and their spread across machines and seeds: README, "The
-main job: time and variability"."""
+LR); 2026-12-02, SFT seeds 1 / 2 (--config.seed): +12.0 / +10.3 (those before sequence packing). 2026-12-04 (AMD
+EPYC, 2 cores, fresh clone): 13 min 02 s, 20.6 CPU-minutes, 0.525 -> 0.646 (+12.1); before packing 15 min 49 s, 26.0
+CPU-minutes, +11.2. Time, gain and their spread across machines and seeds: README, "The main job: time and
+variability"."""
 
 import ml_collections
 

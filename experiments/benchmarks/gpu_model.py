@@ -47,10 +47,8 @@ PEAK = 790e12  # bf16 dense FLOP/s of an H200 as measured on this machine kind (
 
 
 def model_cfg(small: bool, impl: str):
-  if small:
-    cfg = micro_model(load_config_file(os.path.join(ROOT, "configs", "model", "tiny.py")), 4, 0)
-  else:
-    cfg = micro_model(load_config_file(os.path.join(ROOT, "configs", "model", "step35_flash.py")), 4, 0)
+  name = "tiny.py" if small else "step35_flash.py"
+  cfg = micro_model(load_config_file(os.path.join(ROOT, "configs", "model", name)), 4, 0)  # 4 layers, no MTP
   attention, moe = impl.split("/") if "/" in impl else (impl, impl)
   cfg.update(remat=False, attention_impl=attention, moe_impl=moe)
   return cfg
