@@ -11,6 +11,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 
 import jax.numpy as jnp
 from flax import linen as nn
@@ -148,16 +149,29 @@ def export(cfg, variables, tok, directory: str) -> str:
   tokenizer_config.json, or the SentencePiece tokenizer.model). Written next to `directory` and renamed into place:
   a crash leaves the previous export or none, never half of one."""
   directory = os.path.abspath(directory)
-  tmp, old = directory + ".tmp_export", directory + ".old_export"
-  for d in (tmp, old):
-    shutil.rmtree(d, ignore_errors=True)
-  save_hf_checkpoint(cfg, variables, tmp)
-  for name, src in tokenizer_files(tok).items():
-    shutil.copyfile(src, os.path.join(tmp, name))
-  if os.path.exists(directory):
-    os.replace(directory, old)
-  os.replace(tmp, directory)
-  shutil.rmtree(old, ignore_errors=True)
+  parent, base = os.path.split(directory)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=base + ".tmp_export.", dir=parent)  # per process: exports may run side by side
+  try:
+    save_hf_checkpoint(cfg, variables, tmp)
+    for name, src in tokenizer_files(tok).items():
+      shutil.copyfile(src, os.path.join(tmp, name))
+    for _ in range(3):  # another export may land between the two renames: move it aside and try again
+      old = tmp + ".old"
+      if os.path.exists(directory):
+        os.replace(directory, old)
+      try:
+        os.replace(tmp, directory)
+        break
+      except OSError:
+        if not os.path.isdir(directory):
+          raise
+      finally:
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+      raise OSError(f"{directory}: other exports kept replacing it; none of this one's 3 attempts landed")
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
   return directory
 
 

@@ -202,3 +202,16 @@ def test_export_reloads_with_identical_logits(fixture_dir, tok, tmp_path):
   W = load_file(os.path.join(out, "model.safetensors"))
   ref, _ = hf_reference.forward(W, json.load(open(os.path.join(out, "config.json"))), ids[0])
   np.testing.assert_allclose(sfj.forward(cfg2, v2, ids)[0], ref, rtol=2e-4, atol=2e-4)
+
+
+def test_exports_side_by_side_do_not_collide(fixture_dir, tok, tmp_path):
+  """Several processes may export to one directory at once (RL seeds reusing one SFT run): each export writes its
+  own temporary directory, every call succeeds, one whole export is left and no temporary directory."""
+  import concurrent.futures
+
+  cfg, v = sfj.load_hf_checkpoint(fixture_dir)
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    outs = list(pool.map(lambda _: hf.export(cfg, v, tok, str(tmp_path / "hf")), range(4)))
+  assert set(outs) == {str(tmp_path / "hf")} and sorted(os.listdir(tmp_path)) == ["hf"]
+  ids = np.asarray([tok.format_prompt("Compute 12+30")], np.int32)
+  np.testing.assert_array_equal(sfj.forward(cfg, v, ids), sfj.forward(*sfj.load_hf_checkpoint(outs[0]), ids))

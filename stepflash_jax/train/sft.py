@@ -167,6 +167,7 @@ def _train(config, workdir, log, mesh, rules, examples=None, reuse=None):
       it.set_state(extra["data"])
     log(f"{stage}: resumed from step {start} in {workdir}")
   start = start or 0
+  restored_finished = start >= t.steps
   writer = MetricsWriter(workdir, stage, resume_step=start)
   step_fn = make_train_step(
     args, tx, t, lr_fn, frozen_mask(state["params"], t.freeze_router, t.get("router_lr_scale", 1.0))
@@ -202,8 +203,11 @@ def _train(config, workdir, log, mesh, rules, examples=None, reuse=None):
   variables = {"params": state["params"], "router": state["router"]}
   if acc is None and eval_set is not None:  # resumed after the last step: evaluate the restored state
     acc = evaluate.accuracy(config, variables, tok, eval_set)
-  if not pretrain and t.steps:  # (no SFT steps: the input checkpoint itself, not copied)
-    hf.export(config.model, variables, tok, os.path.join(workdir, "hf"))
+  hf_dir = os.path.join(workdir, "hf")
+  # (no SFT steps: the input checkpoint itself, not copied). A finished run that is only restored (an RL stage
+  # reusing it, possibly several side by side) keeps its export.
+  if not pretrain and t.steps and not (restored_finished and os.path.isdir(hf_dir)):
+    hf.export(config.model, variables, tok, hf_dir)
   return {
     "variables": variables,
     "accuracy": acc,
