@@ -22,3 +22,19 @@ def tiny_cfg():
   from stepflash_jax.config import load_config_file
 
   return load_config_file(os.path.join(ROOT, "configs", "model", "tiny.py"))
+
+
+def toy_generation(rng, P: int, R: int):
+  """A 4-row RL generation for the programs' tests: left-padded prompts of 4 / 6 / 5 / 6 of P tokens, responses of
+  3 / 8 / 5 / 1 of R tokens (rng draws the tokens); (prompts, rollout output) as `rl.batches.sequences` takes them."""
+  import numpy as np
+
+  lengths = np.array([4, 6, 5, 6], np.int32)
+  tokens = rng.integers(4, 60, (4, P)).astype(np.int32)
+  tokens[np.arange(P)[None] < (P - lengths)[:, None]] = 0  # left padding
+  pos = np.clip(np.arange(P)[None] - (P - lengths)[:, None], 0, None).astype(np.int32)
+  prompts = {"tokens": tokens, "positions": pos, "segment_ids": (tokens > 0).astype(np.int32), "lengths": lengths}
+  mask = (np.arange(R)[None] < np.array([3, 8, 5, 1])[:, None]).astype(np.float32)
+  gen = {"response": rng.integers(4, 60, (4, R)).astype(np.int32) * mask.astype(np.int32), "response_mask": mask}
+  gen["logp"] = np.zeros((4, R), np.float32)
+  return prompts, gen

@@ -17,7 +17,7 @@ from stepflash_jax.config import load_config_file
 from stepflash_jax.rl import batches, programs
 from stepflash_jax.rl.critic import critic_from_actor
 from stepflash_jax.train.step import frozen_mask
-from conftest import ROOT
+from conftest import ROOT, toy_generation
 
 P, R, N = 6, 8, 4
 
@@ -27,14 +27,7 @@ def setup():
   cfg = load_config_file(os.path.join(ROOT, "configs", "mispo.py"), "small")  # 4 layers: every layer kind
   v = sfj.init(cfg.model, jax.random.key(0))
   rng = np.random.default_rng(0)
-  lengths = np.array([4, 6, 5, 6], np.int32)
-  tokens = rng.integers(4, 60, (N, P)).astype(np.int32)
-  tokens[np.arange(P)[None] < (P - lengths)[:, None]] = 0  # left padding
-  pos = np.clip(np.arange(P)[None] - (P - lengths)[:, None], 0, None).astype(np.int32)
-  prompts = {"tokens": tokens, "positions": pos, "segment_ids": (tokens > 0).astype(np.int32), "lengths": lengths}
-  mask = (np.arange(R)[None] < np.array([3, 8, 5, 1])[:, None]).astype(np.float32)
-  gen = {"response": rng.integers(4, 60, (N, R)).astype(np.int32) * mask.astype(np.int32), "response_mask": mask}
-  gen["logp"] = np.zeros((N, R), np.float32)
+  prompts, gen = toy_generation(rng, P, R)
   jb = {k: jnp.asarray(x) for k, x in batches.sequences(prompts, gen).items()}
   return cfg, M.as_args(cfg.model), v, jb
 

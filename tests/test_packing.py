@@ -16,7 +16,7 @@ from stepflash_jax.model.replay import moe_layer_names
 from stepflash_jax.rl import batches, packing, programs
 from stepflash_jax.rl.critic import critic_from_actor
 from stepflash_jax.train.step import frozen_mask
-from conftest import ROOT
+from conftest import ROOT, toy_generation
 
 P, R, N = 6, 8, 4
 
@@ -56,14 +56,7 @@ def setup():
   args = M.as_args(cfg.model)
   v = sfj.init(cfg.model, jax.random.key(0))
   rng = np.random.default_rng(0)
-  lengths = np.array([4, 6, 5, 6], np.int32)
-  tokens = rng.integers(4, 60, (N, P)).astype(np.int32)
-  tokens[np.arange(P)[None] < (P - lengths)[:, None]] = 0  # left padding
-  pos = np.clip(np.arange(P)[None] - (P - lengths)[:, None], 0, None).astype(np.int32)
-  prompts = {"tokens": tokens, "positions": pos, "segment_ids": (tokens > 0).astype(np.int32), "lengths": lengths}
-  mask = (np.arange(R)[None] < np.array([3, 8, 5, 1])[:, None]).astype(np.float32)
-  gen = {"response": rng.integers(4, 60, (N, R)).astype(np.int32) * mask.astype(np.int32), "response_mask": mask}
-  gen["logp"] = np.zeros((N, R), np.float32)
+  prompts, gen = toy_generation(rng, P, R)
   k, E = args.top_k, args.num_experts
   gen["expert_ids"] = {
     name: np.argsort(rng.random((N, P + R, E)), -1)[..., :k].astype(np.int32) for name in moe_layer_names(args)
@@ -72,7 +65,7 @@ def setup():
   packed = packing.add(batch, 0.75)  # spans of 7 + 14 + 10 + 7 tokens share one row of 4 x 14 slots
   assert packed["pack_src"].shape == (1, 56)
   as_j = lambda b: {k: jnp.asarray(x) for k, x in b.items()}
-  return cfg, args, v, as_j(batch), as_j(packed), mask
+  return cfg, args, v, as_j(batch), as_j(packed), gen["response_mask"]
 
 
 def test_packed_programs_equal_unpacked(setup):
