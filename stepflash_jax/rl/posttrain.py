@@ -235,12 +235,14 @@ def _stages(base, table, stage_dir, record, log):
   data_path = os.path.join(stage_dir("distill"), "distilled.jsonl")
   if not os.path.exists(data_path):
     _distill(base, domains, stage_dir, data_path, log)
-  student = stage_config(base, train=dict(steps=p.student_sft_steps))
+  # the student's stages evaluate (the combined mixture) once, at their end: the table rows are per domain
+  student = stage_config(base, train=dict(steps=p.student_sft_steps, eval_every=p.student_sft_steps))
   if "student_sft" not in table.rows:
     out = sft.train(student, stage_dir("student_sft"), log=log, examples=distill.read_examples(data_path))
     record("student_sft", out["variables"], out["tokenizer"])
   if "student_rl" not in table.rows:
-    rl_cfg = student_rl_config(student, sft_workdir=stage_dir("student_sft"), steps=p.student_rl_steps)
+    rl = dict(sft_workdir=stage_dir("student_sft"), steps=p.student_rl_steps, eval_every=p.student_rl_steps)
+    rl_cfg = student_rl_config(student, **rl)
     trainer.run(rl_cfg, stage_dir("student_rl"), log=log)
     record("student_rl", *_exported(base, stage_dir("student_rl")))
 

@@ -3,6 +3,9 @@ an `agent` config section, greedy multi-turn trajectories with the tool environm
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import numpy as np
 import jax
 
@@ -52,11 +55,47 @@ def padded_prompts(config, tok, chunk, rows: int | None = None) -> dict:
   return pad_prompts([tok.format_prompt(x["prompt"]) for x in full], config.data.max_prompt_len, pad_id=tok.pad_id)
 
 
+MEMO_MAX_BYTES = 2**30  # weights above this size (or not all on this host) are not hashed: never memoized
+_memo = {}  # fingerprint -> accuracy(): this process's evaluations (see accuracy)
+
+
+def fingerprint(config, variables, tok, examples) -> str | None:
+  """sha256 of everything accuracy() depends on: the weights (paths, dtypes, shapes, values), the eval, model and
+  agent sections and data.max_prompt_len, the tokenizer's pieces, the examples; None for weights too large or
+  sharded over hosts."""
+  leaves = jax.tree_util.tree_leaves_with_path(variables)
+  size = sum(leaf.size * leaf.dtype.itemsize for _, leaf in leaves)
+  if size > MEMO_MAX_BYTES or not all(getattr(leaf, "is_fully_addressable", True) for _, leaf in leaves):
+    return None
+  h = hashlib.sha256()
+  for path, leaf in leaves:
+    a = np.asarray(leaf)
+    h.update(f"{jax.tree_util.keystr(path)} {a.dtype} {a.shape}".encode())
+    h.update(a.tobytes())
+  settings = {s: config[s].to_dict() for s in ("eval", "model", "agent") if s in config}
+  settings["max_prompt_len"] = config.data.max_prompt_len
+  h.update(json.dumps(settings, sort_keys=True, default=str).encode())
+  h.update("\0".join(tok.id_to_piece(i) for i in range(tok.vocab_size)).encode())
+  h.update(json.dumps(examples, sort_keys=True, default=str).encode())
+  return h.hexdigest()
+
+
 def accuracy(config, variables, tok, examples, engine=None) -> dict:
   """Greedy (temperature 0) completions of `examples` in batches of eval.batch_size, in the engine numerics
   eval.dtype, checked by their task's rule checker. An engine with the rollout's dtype, prompt width, length limit
   and batch size runs the rollout's compiled program (the sampling settings are traced inputs). With an `agent`
-  section: multi-turn trajectories, `engine` an open greedy Agent (eval_agent) to reuse, else one made here."""
+  section: multi-turn trajectories, `engine` an open greedy Agent (eval_agent) to reuse, else one made here.
+  Memoized in this process by fingerprint(): the pipeline's table row and an RL stage's evaluation of the same
+  weights (its restored SFT policy, its final policy) run once."""
+  key = fingerprint(config, variables, tok, examples)
+  if key is None:
+    return _accuracy(config, variables, tok, examples, engine)
+  if key not in _memo:
+    _memo[key] = _accuracy(config, variables, tok, examples, engine)
+  return dict(_memo[key])
+
+
+def _accuracy(config, variables, tok, examples, engine=None) -> dict:
   e = config.eval
   if "agent" in config:
     return _agent_accuracy(config, variables, tok, examples, engine)
@@ -129,15 +168,17 @@ def eval_agent(config, tok, temperature: float = 0.0) -> Agent:
 
 def _agent_accuracy(config, variables, tok, examples, agent=None) -> dict:
   """Greedy multi-turn trajectories (at most eval.max_new_tokens tokens each, tool messages included) in batches
-  of eval.batch_size, checked on their final turn."""
+  of eval.batch_size, checked on their final turn; batches as in accuracy() (the first alone, then two at a time)."""
   e, own = config.eval, agent is None
   agent = agent or eval_agent(config, tok)
   chunks = [examples[i : i + e.batch_size] for i in range(0, len(examples), e.batch_size)]
+
+  def greedy(chunk):  # fixed batch shape (the last chunk padded with copies)
+    full = padded_chunk(chunk, e.batch_size)
+    return agent.sample(variables, padded_prompts(config, tok, chunk), full, jax.random.key(0))
+
   try:
-    outs = []
-    for chunk in chunks:  # fixed batch shape (the last chunk padded with copies)
-      full = padded_chunk(chunk, e.batch_size)
-      outs.append(agent.sample(variables, padded_prompts(config, tok, chunk), full, jax.random.key(0)))
+    outs = [greedy(chunks[0])] + parallel.thread_map(greedy, chunks[1:])
   finally:
     if own:
       agent.close()
