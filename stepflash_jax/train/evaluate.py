@@ -100,14 +100,18 @@ def _accuracy(config, variables, tok, examples, engine=None) -> dict:
   if "agent" in config:
     return _agent_accuracy(config, variables, tok, examples, engine)
   engine = engine or eval_engine(config, tok, temperature=0.0)
-  chunks = [examples[i : i + e.batch_size] for i in range(0, len(examples), e.batch_size)]
 
   def greedy(chunk):
     p = padded_prompts(config, tok, chunk)
     return engine.generate(variables, p["tokens"], p["lengths"], jax.random.key(0))
 
-  # the first batch alone (it may compile the program), then two at a time: on a small CPU much of a decode step
-  # runs on one thread (parallel/threads.py)
+  return _scored_batches(tok, examples, e.batch_size, greedy)
+
+
+def _scored_batches(tok, examples, batch_size: int, greedy) -> dict:
+  """_score of greedy(chunk) over `examples` in chunks of batch_size: the first chunk alone (it may compile the
+  program), then two at a time: on a small CPU much of a decode step runs on one thread (parallel/threads.py)."""
+  chunks = [examples[i : i + batch_size] for i in range(0, len(examples), batch_size)]
   outs = [greedy(chunks[0])] + parallel.thread_map(greedy, chunks[1:])
   return _score(tok, chunks, outs)
 
@@ -168,18 +172,16 @@ def eval_agent(config, tok, temperature: float = 0.0) -> Agent:
 
 def _agent_accuracy(config, variables, tok, examples, agent=None) -> dict:
   """Greedy multi-turn trajectories (at most eval.max_new_tokens tokens each, tool messages included) in batches
-  of eval.batch_size, checked on their final turn; batches as in accuracy() (the first alone, then two at a time)."""
+  of eval.batch_size (_scored_batches), checked on their final turn."""
   e, own = config.eval, agent is None
   agent = agent or eval_agent(config, tok)
-  chunks = [examples[i : i + e.batch_size] for i in range(0, len(examples), e.batch_size)]
 
   def greedy(chunk):  # fixed batch shape (the last chunk padded with copies)
     full = padded_chunk(chunk, e.batch_size)
     return agent.sample(variables, padded_prompts(config, tok, chunk), full, jax.random.key(0))
 
   try:
-    outs = [greedy(chunks[0])] + parallel.thread_map(greedy, chunks[1:])
+    return _scored_batches(tok, examples, e.batch_size, greedy)
   finally:
     if own:
       agent.close()
-  return _score(tok, chunks, outs)
