@@ -2,13 +2,13 @@
 per domain -> self-distillation by rejection sampling -> student SFT from the pre-training checkpoint -> student RL
 on all domains, with a per-domain accuracy table (<workdir>/summary.md).
 
-  python experiments/run.py --config=configs/pipeline.py          # runs/pipeline: 44 min (2026-12-04)
+  python experiments/run.py --config=configs/pipeline.py          # runs/pipeline: 42 min (2026-12-05)
   python experiments/run.py --config=configs/pipeline.py:small    # test-suite size: 6 min 55 s cold (2026-12-03)
-The full run took 44 min 06 s (67.5 CPU-minutes) from scratch on a 2-core AMD EPYC VM, alone with a fresh XLA cache,
-and met every accuracy target (README, tenth run; the same VM's ninth run was 1.26x slower); the small one ran
-alone with a fresh cache. The domains are arithmetic, countdown, tool use (multi-turn, with the calculator tool)
-and preference (a learned judge's reward, scored by its hidden gold score).
-The measured tables, stage times and what falls short: README, "The post-training pipeline" (tenth and ninth runs).
+The full run took 42 min 06 s (64.1 CPU-minutes) from scratch on a 2-core AMD EPYC VM, alone with a fresh XLA cache,
+and met every accuracy target (README, eleventh run; 33 min with every program already compiled; the same VM's ninth
+run was 1.26x slower); the small one ran alone with a fresh cache. The domains are arithmetic, countdown, tool use
+(multi-turn, with the calculator tool) and preference (a learned judge's reward, scored by its hidden gold score).
+The measured tables, stage times and what falls short: README, "The post-training pipeline" (eleventh to ninth runs).
 Rerunning the same command resumes at the first unfinished stage; --config.pipeline.dirs.sft=DIR (or any stage)
 reuses an existing run.
 """

@@ -25,3 +25,29 @@ def test_enable_compile_cache_keeps_a_configured_cache(monkeypatch, tmp_path):
     assert caches.enable_compile_cache() == str(tmp_path / "c" / "xla")
   finally:
     jax.config.update("jax_compilation_cache_dir", old)
+
+
+MOVED_CACHE_SCRIPT = """
+import sys
+import jax, jax.numpy as jnp
+from stepflash_jax import caches
+caches.enable_compile_cache(sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.jit(lambda x: jnp.sin(x) @ x.T)(jnp.ones((8, 8))).block_until_ready()
+"""
+
+
+def test_a_copied_compile_cache_still_hits(tmp_path):
+  """A program cached at one path loads from a copy of the cache elsewhere: no new entry is written (a miss
+  compiles and writes one)."""
+  import shutil
+  import subprocess
+  import sys
+
+  run = lambda path: subprocess.run([sys.executable, "-c", MOVED_CACHE_SCRIPT, str(path)], check=True, timeout=120)
+  run(tmp_path / "a")
+  entries = sorted(p.name for p in (tmp_path / "a").iterdir())
+  assert entries  # the program was cached
+  shutil.copytree(tmp_path / "a", tmp_path / "b")
+  run(tmp_path / "b")
+  assert sorted(p.name for p in (tmp_path / "b").iterdir()) == entries
