@@ -1,7 +1,6 @@
 """parallel/threads.py: worker threads run under the caller's mesh and logical-axis rules (thread-local state)."""
 
 import flax.linen as nn
-import ml_collections
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +19,7 @@ def test_workers_see_the_callers_mesh_and_rules_and_reuse_its_program():
     return nn.with_logical_constraint(x * 2.0, ("batch", "embed"))
 
   seen = lambda: (jax.sharding.get_mesh(), nn.get_logical_axis_rules())
-  mesh = parallel.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, expert=1, context=1, tensor=1)))
+  mesh = parallel.make_mesh(dict(data=1, fsdp=1, expert=1, context=1, tensor=1))
   xs = [jnp.full((4, 3), float(i)) for i in range(5)]
   with parallel.use_mesh(mesh, RULES):
     first = f(xs[0])

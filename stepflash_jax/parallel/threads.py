@@ -17,13 +17,15 @@ import concurrent.futures
 import flax.linen as nn
 import jax
 
+from stepflash_jax.parallel.mesh import use_mesh
+
 
 def _in_callers_mesh(fn):
   """fn, called under the calling thread's mesh and logical-axis rules (whichever thread runs it)."""
   mesh, rules = jax.sharding.get_mesh(), nn.get_logical_axis_rules()
 
   def call(*args):
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    with use_mesh(mesh, rules):
       return jax.block_until_ready(fn(*args))
 
   return call
