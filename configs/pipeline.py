@@ -2,13 +2,14 @@
 per domain -> self-distillation by rejection sampling -> student SFT from the pre-training checkpoint -> student RL
 on all domains, with a per-domain accuracy table (<workdir>/summary.md).
 
-  python experiments/run.py --config=configs/pipeline.py          # runs/pipeline: 42 min (2026-12-05)
-  python experiments/run.py --config=configs/pipeline.py:small    # test-suite size: 6 min 55 s cold (2026-12-03)
-The full run took 42 min 06 s (64.1 CPU-minutes) from scratch on a 2-core AMD EPYC VM, alone with a fresh XLA cache,
-and met every accuracy target (README, eleventh run; 33 min with every program already compiled; the same VM's ninth
-run was 1.26x slower); the small one ran alone with a fresh cache. The domains are arithmetic, countdown, tool use
-(multi-turn, with the calculator tool) and preference (a learned judge's reward, scored by its hidden gold score).
-The measured tables, stage times and what falls short: README, "The post-training pipeline" (eleventh to ninth runs).
+  python experiments/run.py --config=configs/pipeline.py          # runs/pipeline: 36 min (2026-12-05)
+  python experiments/run.py --config=configs/pipeline.py:small    # test-suite size: 3 min 52 s cold (2026-12-05)
+The full run took 36 min 15 s (63.4 CPU-minutes) from scratch on a 2-core AMD EPYC VM, alone with a fresh XLA cache,
+and met every accuracy target (README, thirteenth run: the domains' chains in two processes; the same VM's ninth run
+was 1.5x slower); the small one ran alone with a fresh cache (its chains in two processes too). The domains are
+arithmetic, countdown, tool use (multi-turn, with the calculator tool) and preference (a learned judge's reward,
+scored by its hidden gold score). The measured tables, stage times and what falls short: README, "The post-training
+pipeline" (thirteenth to ninth runs).
 Rerunning the same command resumes at the first unfinished stage; --config.pipeline.dirs.sft=DIR (or any stage)
 reuses an existing run.
 """
@@ -129,6 +130,12 @@ def get_config(arg: str = ""):
   # (~12-14 s each). Ninth run: 16 left countdown 0.3 points below its expert (+0.5 from the distilled student),
   # 24 put it 1.6 above, and every other domain above its best expert by 3.5 points or more (README)
   p.student_rl_steps = 2 if small else 24
+  # the domains' chains (expert RL, its row, its distillation share) in two processes side by side, the first
+  # group in the job's own process after the SFT row's evaluation: about equal work (twelfth run: 15.8 and 17.6
+  # minutes side by side); countdown comes after the preference expert (its judge's training, 8 generations), so it
+  # loads the arithmetic expert's compiled programs (same shapes) from the compilation cache; () = one after the
+  # other in the job's process
+  p.chains = (("arithmetic", "tool"), ("preference",) if small else ("preference", "countdown"))
   # "" = <workdir>/<stage>; a path reuses that run (e.g. another pipeline's SFT stage)
   p.dirs = ml_collections.ConfigDict(
     {k: "" for k in ("pretrain", "sft", "reward_model", "distill", "student_sft", "student_rl")}

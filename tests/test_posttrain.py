@@ -1,7 +1,7 @@
 """The post-training pipeline (rl/posttrain.py, rl/distill.py, configs/pipeline.py): rejection sampling against
 hand-computed counts, the combined mixture, config errors, and the whole job - kill -9 in the middle of a stage and
 the same command again give the uninterrupted run's table and distilled data, also when earlier stages are reused
-from another run."""
+from another run and the domains' chains run in two processes instead of one after the other."""
 
 import json
 import os
@@ -11,6 +11,7 @@ import sys
 import time
 
 import numpy as np
+import process_worker
 import pytest
 
 from stepflash_jax.config import load_config_file
@@ -131,6 +132,7 @@ def test_distilled_tool_transcript_is_the_sft_answer_format(tmp_path):
     ("pipeline.domains.preference.metric", "bleu", r"pipeline\.domains\.preference\.metric"),
     ("pipeline.domains.preference.overrides.rl.reward", "nope", r"rl\.reward.*in pipeline\.domains\.preference"),
     ("reward_model.train", ("bt",), r"reward_model\.train.*genrm"),
+    ("pipeline.chains", (("arithmetic", "tool"),), r"pipeline\.chains.*every domain once"),
   ],
 )
 def test_config_errors_name_the_field(field, value, message):
@@ -157,10 +159,22 @@ def _cmd(workdir, *extra):
   ]
 
 
+def _children(pid: int) -> list[int]:
+  """The live processes whose parent is `pid` (Linux: the 4th field of /proc/<p>/stat)."""
+  kids = []
+  for p in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      if int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1]) == pid and process_worker.alive(int(p)):
+        kids.append(int(p))
+    except (FileNotFoundError, ProcessLookupError):  # gone meanwhile
+      pass
+  return kids
+
+
 def test_pipeline_resumes_after_kill_with_the_same_table(tmp_path):
   env = dict(os.environ, PYTHONUNBUFFERED="1")
   a, b = tmp_path / "a", tmp_path / "b"
-  out = subprocess.run(_cmd(a), env=env, capture_output=True, text=True, timeout=1800)
+  out = subprocess.run(_cmd(a, "--config.pipeline.chains=()"), env=env, capture_output=True, text=True, timeout=1800)
   assert out.returncode == 0, out.stderr[-3000:]
   rows = json.load(open(a / "pipeline.json"))
   stages = ["sft", "expert_arithmetic", "expert_preference", "expert_tool", "student_sft", "student_rl"]
@@ -185,20 +199,27 @@ def test_pipeline_resumes_after_kill_with_the_same_table(tmp_path):
   want = {("arithmetic", "arithmetic"), ("preference", "pref"), ("tool", "toolmul")}
   assert {(r["domain"], r["family"]) for r in data} == want
 
-  # b reuses a's first stages (pipeline.dirs: their rows are evaluated again), then is killed inside its own
-  # student_rl (multi-turn RL on all domains) and resumed by the same command
-  reuse = [f"--config.pipeline.dirs.{s}={a / s}" for s in ["pretrain", "reward_model"] + stages[:4]]
+  # b reuses a's pre-training, SFT and judge (pipeline.dirs: the SFT row is evaluated again) and runs the domains'
+  # chains in two processes (the small config's pipeline.chains: the preference expert in a spawned one); killed
+  # inside that expert's RL, the spawned process dies with it, and the same command finishes with a's table
+  reuse = [f"--config.pipeline.dirs.{s}={a / s}" for s in ["pretrain", "reward_model", "sft"]]
   p = subprocess.Popen(_cmd(b, *reuse), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  ck, deadline = b / "student_rl" / "rl" / "checkpoints" / "1", time.time() + 1200
+  ck, deadline = b / "expert_preference" / "rl" / "checkpoints" / "1", time.time() + 1200
   while not ck.exists() and p.poll() is None and time.time() < deadline:
     time.sleep(0.05)
+  spawned = _children(p.pid)
   p.send_signal(signal.SIGKILL)
   p.wait()
-  assert ck.exists() and "student_rl" not in json.load(open(b / "pipeline.json")), "killed at the wrong point"
+  assert ck.exists() and "expert_preference" not in json.load(open(b / "pipeline.json")), "killed at the wrong point"
+  assert spawned, "the preference chain ran in no process of its own"
+  deadline = time.time() + 10
+  while any(map(process_worker.alive, spawned)) and time.time() < deadline:
+    time.sleep(0.05)
+  assert not any(map(process_worker.alive, spawned)), "a chain's process outlived the kill -9 of the job"
   out = subprocess.run(_cmd(b, *reuse), env=env, capture_output=True, text=True, timeout=1800)
   assert out.returncode == 0, out.stderr[-3000:]
   assert not (b / "sft").exists() and not (b / "reward_model").exists()
-  assert "rl: resumed from generation 1" in out.stdout
+  assert "[preference] rl: resumed from generation 1" in out.stdout
   assert json.load(open(b / "pipeline.json")) == rows
   assert open(b / "distill" / "distilled.jsonl").read() == open(a / "distill" / "distilled.jsonl").read()
   assert (b / "summary.md").read_text() == (a / "summary.md").read_text()

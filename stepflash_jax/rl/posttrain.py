@@ -10,6 +10,10 @@ A domain whose overrides.rl.reward is a learned one ("genrm" | "bt": the prefere
 models on pairs of SFT samples once, in <workdir>/reward_model (rl/reward_training.py, when its expert starts), and
 the student's RL gives that domain's task families the same reward (rl.family_rewards, rewards.ByFamily).
 
+The domains' chains (expert RL, its row, its share of the distillation) run side by side in one process per group
+of pipeline.chains (the first group in this process; parallel.side_by_side), each group's domains in order; their
+rows enter the table in the domains' order, so the table is the same however they are grouped.
+
 Each stage runs in its own directory (<workdir>/<stage>, or pipeline.dirs.<stage> to reuse an existing run) with its
 checkpoints, metrics and plots, then adds a row to the summary table: per domain, the held-out greedy accuracy or,
 for pipeline.domains.<name>.metric = "greedy_gold", the mean hidden gold score (eval.num_examples test problems of
@@ -21,13 +25,15 @@ followed by the same command ends with the same table.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 
+import jax
 import ml_collections
 
+from stepflash_jax import caches, hf, host
 from stepflash_jax import config as config_lib
-from stepflash_jax import hf
 from stepflash_jax import model as model_lib
 from stepflash_jax import parallel
 from stepflash_jax.data import load_tokenizer_dir, tasks
@@ -168,6 +174,15 @@ def check_config(config) -> None:
       unknown = set(dom.overrides[section]) - set(config[section])
       if unknown:
         raise ValueError(f"config field 'pipeline.domains.{name}.overrides.{section}': unknown {sorted(unknown)}")
+  chained = [d for g in p.chains for d in g]
+  if p.chains and sorted(chained) != sorted(p.domains):
+    raise ValueError(
+      f"config field 'pipeline.chains': groups of domain names with every domain once ({list(p.domains)}), "
+      f"got {p.chains!r}"
+    )
+  learned = {i for i, g in enumerate(p.chains) for d in g if domain_config(config, d).rl.reward != config.rl.reward}
+  if len(learned) > 1:  # they would train the shared reward models at the same time, in one directory
+    raise ValueError("config field 'pipeline.chains': the domains with a learned reward must be in one group")
   for f in ("expert_steps", "student_sft_steps", "student_rl_steps"):
     if not (isinstance(p[f], int) and p[f] > 0):
       raise ValueError(f"config field 'pipeline.{f}': must be an int > 0, got {p[f]!r}")
@@ -187,64 +202,149 @@ def check_config(config) -> None:
     raise ValueError(f"config field 'pipeline.dirs': unknown stage(s) {sorted(unknown)}")
 
 
+class Rows:
+  """Rows of the summary table: per domain, the held-out metric of (variables, tokenizer) on eval.num_examples
+  test problems of its mixture. Engines are made (and compiled) once: a multi-turn Agent per tool domain, one
+  engine per eval length; close() stops the Agents' tool executors."""
+
+  def __init__(self, base):
+    self.domains = base.pipeline.domains
+    self.evals = {d: domain_config(base, d) for d in self.domains}
+    self.sets = {d: evaluate.heldout_examples(c) for d, c in self.evals.items()}
+    self.engines = {}
+
+  def __call__(self, variables, tok) -> dict:
+    row = {}
+    for d, c in self.evals.items():
+      agent = self.domains[d].agent
+      key = d if agent else c.eval.max_new_tokens
+      if key not in self.engines:
+        self.engines[key] = evaluate.eval_agent(c, tok) if agent else evaluate.eval_engine(c, tok, 0.0)
+      row[d] = evaluate.accuracy(c, variables, tok, self.sets[d], self.engines[key])[self.domains[d].metric]
+    return row
+
+  def close(self) -> None:
+    for e in self.engines.values():
+      if hasattr(e, "close"):
+        e.close()
+
+
+def _row_text(stage: str, row: dict) -> str:
+  return f"pipeline: {stage}: " + ", ".join(f"{d} {a:.3f}" for d, a in row.items())
+
+
 def run(config, workdir: str, log=print) -> dict:
   """Every stage (module docstring) -> the table rows {stage: {domain: accuracy}}."""
   p, domains = config.pipeline, config.pipeline.domains
   table = Table(workdir, domains)
-  stage_dir = lambda name: p.dirs.get(name) or os.path.join(workdir, name)
-  sections = dict(train=dict(init_from=stage_dir("pretrain")))
+  dirs = {s: p.dirs.get(s) or os.path.join(workdir, s) for s in STAGE_DIRS + tuple(f"expert_{d}" for d in domains)}
+  sections = dict(train=dict(init_from=dirs["pretrain"]))
   if "reward_model" in config:  # every stage with a learned reward shares the models trained there
-    sections["reward_model"] = dict(workdir=stage_dir("reward_model"))
+    sections["reward_model"] = dict(workdir=dirs["reward_model"])
   base = stage_config(config, mixture=combined_mixture(domains), **sections)
-  evals = {d: domain_config(base, d) for d in domains}
-  eval_sets = {d: evaluate.heldout_examples(evals[d]) for d in domains}
-  engines = {}  # made (and compiled) once: a multi-turn Agent per tool domain, one engine per eval length
-
-  def record(stage, variables, tok):
-    row = {}
-    for d, c in evals.items():
-      key = d if domains[d].agent else c.eval.max_new_tokens
-      if key not in engines:
-        engines[key] = evaluate.eval_agent(c, tok) if domains[d].agent else evaluate.eval_engine(c, tok, 0.0)
-      row[d] = evaluate.accuracy(c, variables, tok, eval_sets[d], engines[key])[domains[d].metric]
-    table.add(stage, row)
-    log(f"pipeline: {stage}: " + ", ".join(f"{d} {a:.3f}" for d, a in row.items()))
-
+  rows = Rows(base)
   try:  # on the stages' mesh, as their trainers run: the evals and the stages' engines share compiled programs
     with parallel.use_mesh(parallel.make_mesh(base.mesh), parallel.rules(base)):
-      _stages(base, table, stage_dir, record, log)
+      _stages(base, table, dirs, workdir, rows, log)
   finally:
-    for e in engines.values():
-      if hasattr(e, "close"):  # an Agent's tool executor
-        e.close()
+    rows.close()
   log(table.markdown())
   return table.rows
 
 
-def _stages(base, table, stage_dir, record, log):
-  """The stages without a row in the table, in order (module docstring)."""
+def _stages(base, table, dirs, workdir, rows, log):
+  """The stages without a row in the table, in order (module docstring); the domains' chains (expert, its row, its
+  distillation share) side by side in pipeline.chains processes."""
   p, domains = base.pipeline, base.pipeline.domains
+
+  def record(stage, variables, tok):
+    table.add(stage, rows(variables, tok))
+    log(_row_text(stage, table.rows[stage]))
+
   if "sft" not in table.rows:
-    out = sft.train(base, stage_dir("sft"), log=log, reuse="pipeline.dirs.sft" if p.dirs.get("sft") else None)
-    record("sft", out["variables"], out["tokenizer"])
-  for d in domains:
-    name = f"expert_{d}"
-    if name not in table.rows:
-      trainer.run(expert_config(base, d, stage_dir("sft")), stage_dir(name), log=log)
-      record(name, *_exported(base, stage_dir(name)))
-  data_path = os.path.join(stage_dir("distill"), "distilled.jsonl")
-  if not os.path.exists(data_path):
-    _distill(base, domains, stage_dir, data_path, log)
-  # the student's stages evaluate (the combined mixture) once, at their end: the table rows are per domain
-  student = stage_config(base, train=dict(steps=p.student_sft_steps, eval_every=p.student_sft_steps))
+    sft_out = sft.train(base, dirs["sft"], log=log, reuse="pipeline.dirs.sft" if p.dirs.get("sft") else None)
+
+  def sft_row():  # evaluated beside the spawned chains' first stages
+    if "sft" not in table.rows:
+      record("sft", sft_out["variables"], sft_out["tokenizer"])
+
+  data_path = os.path.join(dirs["distill"], "distilled.jsonl")
+  experts = [f"expert_{d}" for d in domains]
+  if not os.path.exists(data_path) or any(e not in table.rows for e in experts):
+    groups = [tuple(g) for g in p.chains] or [tuple(domains)]
+    tag = (lambda g: "[" + "+".join(g) + "] ") if len(groups) > 1 else (lambda g: "")
+    done, cache = set(table.rows), jax.config.jax_compilation_cache_dir
+
+    def here():
+      sft_row()
+      _chain(base, groups[0], dirs, workdir, done, rows, functools.partial(_tagged, log, tag(groups[0])))
+
+    parallel.side_by_side(
+      [(here, ())] + [(_spawned_chain, (base, g, dirs, workdir, done, cache, tag(g))) for g in groups[1:]]
+    )
+    for e in experts:  # in the domains' order, whichever chain finished first
+      if e not in table.rows:
+        table.add(e, json.load(open(_row_path(workdir, e))))
+    if not os.path.exists(data_path):
+      _gather(domains, dirs["distill"], data_path, log)
+  sft_row()
+  # the student's stages evaluate the combined mixture once, at their end, on one eval batch: their table rows are
+  # the per-domain evaluations (eval.num_examples problems of each domain)
+  student = stage_config(
+    base,
+    train=dict(steps=p.student_sft_steps, eval_every=p.student_sft_steps),
+    eval=dict(num_examples=min(base.eval.num_examples, base.eval.batch_size)),
+  )
   if "student_sft" not in table.rows:
-    out = sft.train(student, stage_dir("student_sft"), log=log, examples=distill.read_examples(data_path))
+    out = sft.train(student, dirs["student_sft"], log=log, examples=distill.read_examples(data_path))
     record("student_sft", out["variables"], out["tokenizer"])
   if "student_rl" not in table.rows:
-    rl = dict(sft_workdir=stage_dir("student_sft"), steps=p.student_rl_steps, eval_every=p.student_rl_steps)
-    rl_cfg = student_rl_config(student, **rl)
-    trainer.run(rl_cfg, stage_dir("student_rl"), log=log)
-    record("student_rl", *_exported(base, stage_dir("student_rl")))
+    rl = dict(sft_workdir=dirs["student_sft"], steps=p.student_rl_steps, eval_every=p.student_rl_steps)
+    trainer.run(student_rl_config(student, **rl), dirs["student_rl"], log=log)
+    record("student_rl", *_exported(base, dirs["student_rl"]))
+
+
+def _tagged(log, tag: str, text: str) -> None:
+  log("\n".join(tag + line for line in text.split("\n")))
+
+
+def _row_path(workdir: str, stage: str) -> str:
+  return os.path.join(workdir, "rows", f"{stage}.json")
+
+
+def _chain(base, names, dirs, workdir, done, rows, log):
+  """Each domain of `names` in turn: its expert's RL from the SFT run, its row (<workdir>/rows/expert_<d>.json;
+  the caller adds it to the table) and its share of the distillation; a rerun keeps what exists. `done`: the
+  stages the table already has."""
+  order, data_path = list(base.pipeline.domains), os.path.join(dirs["distill"], "distilled.jsonl")
+  for d in names:
+    name, row_path = f"expert_{d}", _row_path(workdir, f"expert_{d}")
+    need_row = name not in done and not os.path.exists(row_path)
+    need_part = not os.path.exists(data_path) and not os.path.exists(os.path.join(dirs["distill"], f"{d}.jsonl"))
+    if need_row:
+      trainer.run(expert_config(base, d, dirs["sft"]), dirs[name], log=log)
+    if need_row or need_part:
+      variables, tok = _exported(base, dirs[name])
+    if need_row:
+      row = rows(variables, tok)
+      atomic_write(row_path, json.dumps(row))
+      log(_row_text(name, row))
+    if need_part:
+      _distill_domain(base, d, order.index(d), variables, tok, dirs["distill"], log)
+
+
+def _spawned_chain(base, names, dirs, workdir, done, cache, tag):
+  """_chain in a process of its own (parallel.side_by_side): the caller's compilation cache (programs compiled
+  by either process load in the other), the stages' mesh, its log lines on stdout after `tag`."""
+  host.keep_freed_memory()
+  if cache:
+    caches.enable_compile_cache(cache)
+  rows, log = Rows(base), functools.partial(_tagged, functools.partial(print, flush=True), tag)
+  try:
+    with parallel.use_mesh(parallel.make_mesh(base.mesh), parallel.rules(base)):
+      _chain(base, names, dirs, workdir, done, rows, log)
+  finally:
+    rows.close()
 
 
 def _exported(config, run_dir):
@@ -257,27 +357,26 @@ def _exported(config, run_dir):
   return variables, load_tokenizer_dir(os.path.join(run_dir, "hf"))
 
 
-def _distill(base, domains, stage_dir, data_path, log):
-  """Each expert re-rolls distill.prompts SFT prompts of its domain (its overrides applied) -> <dir>/<domain>.jsonl
-  and <domain>.counts.json (a rerun keeps a finished domain's files), then all domains in data_path and counts.json."""
-  out_dir, records, counts = os.path.dirname(data_path), [], {}
-  for i, d in enumerate(domains):
-    part, part_counts = os.path.join(out_dir, f"{d}.jsonl"), os.path.join(out_dir, f"{d}.counts.json")
-    if not os.path.exists(part):
-      variables, tok = _exported(base, stage_dir(f"expert_{d}"))
-      dc = domain_config(base, d)
-      ds = example_dataset(mixture=dc.data.mixture, split="train", seed=base.seed)
-      prompts = [ds[k] for k in range(dc.distill.prompts)]
-      kept, n = distill.distill_domain(dc, variables, tok, prompts, domain=d, expert=f"expert_{d}", seed=base.seed + i)
-      if not kept:
-        raise ValueError(
-          f"distillation of {d!r} kept no response ({n}): train the expert longer or relax config field "
-          "'distill.filters'"
-        )
-      atomic_write(part_counts, json.dumps(n, indent=1))
-      distill.write_examples(part, kept)
-    records += distill.read_examples(part)
-    counts[d] = json.load(open(part_counts))
-    log(f"pipeline: distill {d}: " + ", ".join(f"{k} {v}" for k, v in counts[d].items()))
+def _distill_domain(base, d, i, variables, tok, out_dir, log):
+  """Domain d's expert (variables, tok) re-rolls distill.prompts SFT prompts of its domain (its overrides applied;
+  sampling seed: pipeline seed + the domain's index i) -> <out_dir>/<d>.jsonl and <d>.counts.json."""
+  dc = domain_config(base, d)
+  ds = example_dataset(mixture=dc.data.mixture, split="train", seed=base.seed)
+  prompts = [ds[k] for k in range(dc.distill.prompts)]
+  kept, n = distill.distill_domain(dc, variables, tok, prompts, domain=d, expert=f"expert_{d}", seed=base.seed + i)
+  if not kept:
+    raise ValueError(
+      f"distillation of {d!r} kept no response ({n}): train the expert longer or relax config field 'distill.filters'"
+    )
+  atomic_write(os.path.join(out_dir, f"{d}.counts.json"), json.dumps(n, indent=1))
+  distill.write_examples(os.path.join(out_dir, f"{d}.jsonl"), kept)
+  log(f"pipeline: distill {d}: " + ", ".join(f"{k} {v}" for k, v in n.items()))
+
+
+def _gather(domains, out_dir, data_path, log):
+  """Every domain's share, in the domains' order -> data_path, and their counts -> <out_dir>/counts.json."""
+  records = [r for d in domains for r in distill.read_examples(os.path.join(out_dir, f"{d}.jsonl"))]
+  counts = {d: json.load(open(os.path.join(out_dir, f"{d}.counts.json"))) for d in domains}
   atomic_write(os.path.join(out_dir, "counts.json"), json.dumps(counts, indent=1))
   distill.write_examples(data_path, records)
+  log(f"pipeline: distilled {len(records)} examples -> {data_path}")
