@@ -199,10 +199,12 @@ def test_pipeline_resumes_after_kill_with_the_same_table(tmp_path):
   want = {("arithmetic", "arithmetic"), ("preference", "pref"), ("tool", "toolmul")}
   assert {(r["domain"], r["family"]) for r in data} == want
 
-  # b reuses a's pre-training, SFT and judge (pipeline.dirs: the SFT row is evaluated again) and runs the domains'
-  # chains in two processes (the small config's pipeline.chains: the preference expert in a spawned one); killed
-  # inside that expert's RL, the spawned process dies with it, and the same command finishes with a's table
-  reuse = [f"--config.pipeline.dirs.{s}={a / s}" for s in ["pretrain", "reward_model", "sft"]]
+  # b reuses a's pre-training, SFT, judge and the experts of the job's own chain (pipeline.dirs: their rows are
+  # evaluated again) and runs the domains' chains in two processes (the small config's pipeline.chains: the
+  # preference expert in a spawned one); killed inside that expert's RL, the spawned process dies with the job, and
+  # the same command finishes with a's table
+  reused = ["pretrain", "reward_model", "sft", "expert_arithmetic", "expert_tool"]
+  reuse = [f"--config.pipeline.dirs.{s}={a / s}" for s in reused]
   p = subprocess.Popen(_cmd(b, *reuse), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   ck, deadline = b / "expert_preference" / "rl" / "checkpoints" / "1", time.time() + 1200
   while not ck.exists() and p.poll() is None and time.time() < deadline:
