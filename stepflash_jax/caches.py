@@ -3,7 +3,7 @@
 tokenizer/   the locally trained SentencePiece models (data/tokenizer.py)
 xla/         JAX's persistent compilation cache: a rerun (resume, another seed, another RL variant) loads compiled
              programs instead of compiling them again (~2-3 minutes of a cold main job on a 2-core CPU, ~9-10 of
-             the pipeline's 42). On CPU its keys name no directory: a copied or moved cache still hits.
+             the pipeline's cold run). On CPU its keys name no directory: a copied or moved cache still hits.
 """
 
 import os

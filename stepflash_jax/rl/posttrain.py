@@ -205,7 +205,7 @@ def check_config(config) -> None:
 class Rows:
   """Rows of the summary table: per domain, the held-out metric of (variables, tokenizer) on eval.num_examples
   test problems of its mixture. Engines are made (and compiled) once: a multi-turn Agent per tool domain, one
-  engine per eval length; close() stops the Agents' tool executors."""
+  engine per eval length; leaving `with Rows(base) as rows:` stops the Agents' tool executors."""
 
   def __init__(self, base):
     self.domains = base.pipeline.domains
@@ -223,10 +223,17 @@ class Rows:
       row[d] = evaluate.accuracy(c, variables, tok, self.sets[d], self.engines[key])[self.domains[d].metric]
     return row
 
-  def close(self) -> None:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc) -> None:
     for e in self.engines.values():
       if hasattr(e, "close"):
         e.close()
+
+
+def _on_mesh(config):
+  return parallel.use_mesh(parallel.make_mesh(config.mesh), parallel.rules(config))
 
 
 def _row_text(stage: str, row: dict) -> str:
@@ -242,12 +249,9 @@ def run(config, workdir: str, log=print) -> dict:
   if "reward_model" in config:  # every stage with a learned reward shares the models trained there
     sections["reward_model"] = dict(workdir=dirs["reward_model"])
   base = stage_config(config, mixture=combined_mixture(domains), **sections)
-  rows = Rows(base)
-  try:  # on the stages' mesh, as their trainers run: the evals and the stages' engines share compiled programs
-    with parallel.use_mesh(parallel.make_mesh(base.mesh), parallel.rules(base)):
-      _stages(base, table, dirs, workdir, rows, log)
-  finally:
-    rows.close()
+  # on the stages' mesh, as their trainers run: the evals and the stages' engines share compiled programs
+  with _on_mesh(base), Rows(base) as rows:
+    _stages(base, table, dirs, workdir, rows, log)
   log(table.markdown())
   return table.rows
 
@@ -339,12 +343,9 @@ def _spawned_chain(base, names, dirs, workdir, done, cache, tag):
   host.keep_freed_memory()
   if cache:
     caches.enable_compile_cache(cache)
-  rows, log = Rows(base), functools.partial(_tagged, functools.partial(print, flush=True), tag)
-  try:
-    with parallel.use_mesh(parallel.make_mesh(base.mesh), parallel.rules(base)):
-      _chain(base, names, dirs, workdir, done, rows, log)
-  finally:
-    rows.close()
+  log = functools.partial(_tagged, functools.partial(print, flush=True), tag)
+  with _on_mesh(base), Rows(base) as rows:
+    _chain(base, names, dirs, workdir, done, rows, log)
 
 
 def _exported(config, run_dir):
