@@ -136,6 +136,9 @@ def get_config(arg: str = ""):
   # loads the arithmetic expert's compiled programs (same shapes) from the compilation cache; () = one after the
   # other in the job's process
   p.chains = (("arithmetic", "tool"), ("preference",) if small else ("preference", "countdown"))
+  # while pre-training and SFT train (~1.6 of the 2 cores busy), a helper process compiles the RL stages' programs
+  # into the compilation cache (rl/warmup.py); the small mode's stages are too short for it to finish anything
+  p.compile_ahead = not small
   # "" = <workdir>/<stage>; a path reuses that run (e.g. another pipeline's SFT stage)
   p.dirs = ml_collections.ConfigDict(
     {k: "" for k in ("pretrain", "sft", "reward_model", "distill", "student_sft", "student_rl")}

@@ -4,9 +4,12 @@ tokenizer/   the locally trained SentencePiece models (data/tokenizer.py)
 xla/         JAX's persistent compilation cache: a rerun (resume, another seed, another RL variant) loads compiled
              programs instead of compiling them again (~2-3 minutes of a cold main job on a 2-core CPU, ~9-10 of
              the pipeline's cold run). On CPU its keys name no directory: a copied or moved cache still hits.
+             The pipeline's compile-ahead helper compiles into a scratch `.ahead-*` directory of its own inside it
+             and adds whole entries (`share`); the job removes the scratch directory when the helper stops.
 """
 
 import os
+import shutil
 
 
 def cache_dir(name: str) -> str:
@@ -30,3 +33,22 @@ def enable_compile_cache(path: str | None = None) -> str:
     # a cache copied or moved elsewhere would never hit. CPU programs have no autotuning to cache.
     jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
   return path
+
+
+def share(src: str, dst: str) -> int:
+  """Add to directory dst the compilation-cache entries of src that it lacks, each as a hard link (a copy where
+  the file system has none) made under a temporary name and renamed: a reader of dst never sees part of an
+  entry. Returns how many were added."""
+  n = 0
+  for name in sorted(os.listdir(src)):
+    target = os.path.join(dst, name)
+    if name.startswith(".") or not name.endswith("-cache") or os.path.exists(target):
+      continue
+    tmp = os.path.join(dst, f".{name}.{os.getpid()}.tmp")
+    try:
+      os.link(os.path.join(src, name), tmp)
+    except OSError:
+      shutil.copyfile(os.path.join(src, name), tmp)
+    os.replace(tmp, target)
+    n += 1
+  return n

@@ -51,3 +51,16 @@ def test_a_copied_compile_cache_still_hits(tmp_path):
   shutil.copytree(tmp_path / "a", tmp_path / "b")
   run(tmp_path / "b")
   assert sorted(p.name for p in (tmp_path / "b").iterdir()) == entries
+
+
+def test_share_adds_whole_entries_the_target_lacks(tmp_path):
+  """caches.share links (or copies) src's cache entries missing in dst, keeps dst's own, skips other files."""
+  src, dst = tmp_path / "src", tmp_path / "dst"
+  src.mkdir(), dst.mkdir()
+  for name, text in [("jit_a-1-cache", "a"), ("jit_b-2-cache", "b"), (".jit_c-3-cache.9.tmp", "partial")]:
+    (src / name).write_text(text)
+  (dst / "jit_b-2-cache").write_text("own")
+  assert caches.share(str(src), str(dst)) == 1
+  assert sorted(p.name for p in dst.iterdir()) == ["jit_a-1-cache", "jit_b-2-cache"]
+  assert (dst / "jit_a-1-cache").read_text() == "a" and (dst / "jit_b-2-cache").read_text() == "own"
+  assert caches.share(str(src), str(dst)) == 0

@@ -174,7 +174,10 @@ def _children(pid: int) -> list[int]:
 def test_pipeline_resumes_after_kill_with_the_same_table(tmp_path):
   env = dict(os.environ, PYTHONUNBUFFERED="1")
   a, b = tmp_path / "a", tmp_path / "b"
-  out = subprocess.run(_cmd(a, "--config.pipeline.chains=()"), env=env, capture_output=True, text=True, timeout=1800)
+  # a: one process for the chains, and the compile-ahead helper beside pre-training and SFT (b has none; whatever
+  # it compiled, the tables are the same)
+  cmd = _cmd(a, "--config.pipeline.chains=()", "--config.pipeline.compile_ahead=True")
+  out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
   assert out.returncode == 0, out.stderr[-3000:]
   rows = json.load(open(a / "pipeline.json"))
   stages = ["sft", "expert_arithmetic", "expert_preference", "expert_tool", "student_sft", "student_rl"]

@@ -1,4 +1,5 @@
-"""parallel.side_by_side: the first call in this process, the others in spawned processes that die with it."""
+"""parallel.side_by_side: the first call in this process, the others in spawned processes that die with it;
+parallel.beside: a spawned process for the time of a with-block."""
 
 import os
 import signal
@@ -9,7 +10,7 @@ import time
 import process_worker
 import pytest
 
-from stepflash_jax.parallel import side_by_side
+from stepflash_jax.parallel import beside, side_by_side
 
 
 def _wait_for(path, timeout: float = 60.0) -> int:
@@ -64,3 +65,18 @@ def test_the_processes_die_with_a_killed_caller(tmp_path):
     assert _gone(pid), "the spawned process outlived the kill -9 of its caller"
   finally:
     job.kill()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc")
+def test_beside_runs_during_the_block_and_is_killed_at_its_end(tmp_path):
+  child = str(tmp_path / "child")
+  with beside(process_worker.write_pid_and_sleep, (child, 120)) as proc:
+    pid = _wait_for(child)
+    assert pid == proc.pid != os.getpid() and process_worker.alive(pid)
+  assert _gone(pid, timeout=1.0)
+
+
+def test_a_failure_beside_is_no_error(tmp_path):
+  with beside(process_worker.fail, ("bad",)) as proc:
+    proc.join(60)
+  assert proc.exitcode == 1

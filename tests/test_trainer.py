@@ -338,10 +338,30 @@ def _rl_cmd(workdir, steps, sft_workdir="", overlap=False):
   ]
 
 
+# rl/warmup.py's compile_rl on the config of _rl_cmd's command (its --config.* overrides in argv)
+COMPILE_AHEAD = """
+import ast, sys
+from stepflash_jax import caches
+from stepflash_jax.config import load_config_file
+from stepflash_jax.rl import warmup
+cfg = load_config_file(sys.argv[1], "small")
+for flag in sys.argv[2:]:
+  path, value = flag[len("--config."):].split("=", 1)
+  *parents, leaf = path.split(".")
+  node = cfg
+  for k in parents:
+    node = node[k]
+  node[leaf] = value if isinstance(node[leaf], str) else ast.literal_eval(value)
+caches.enable_compile_cache()
+warmup.compile_rl(cfg)
+"""
+
+
 def test_rl_resume_equals_uninterrupted(tmp_path):
   """4 generations in one go == 2 generations, then a rerun of the command that resumes to 4 (same SFT); the
   first run samples each generation in turn, the other two overlap it with the previous generation's training
-  (rl.async): the same rollouts, updates and metrics."""
+  (rl.async): the same rollouts, updates and metrics. Before them the RL programs are compiled ahead
+  (rl/warmup.py) into the cache, and the first run loads them: it writes no entry for them."""
   env = dict(
     os.environ,
     PYTHONUNBUFFERED="1",
@@ -349,7 +369,19 @@ def test_rl_resume_equals_uninterrupted(tmp_path):
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
   )  # the three runs compile the same programs once
   a, b = tmp_path / "a", tmp_path / "b"
-  subprocess.run(_rl_cmd(a, 4), check=True, env=env, capture_output=True, timeout=900)
+  cmd = _rl_cmd(a, 4)
+  subprocess.run(
+    [sys.executable, "-c", COMPILE_AHEAD, cmd[2].split("=", 1)[1].split(":")[0], *cmd[4:]],
+    check=True,
+    env=env,
+    timeout=600,
+  )
+  rl_programs = ("jit_actor_step-", "jit_critic_step-", "jit_score-", "jit_values-")
+  entries = lambda: sorted(n for n in os.listdir(tmp_path / "xla") if n.startswith(rl_programs))
+  ahead = entries()
+  assert {n.split("-")[0] for n in ahead} == {p[:-1] for p in rl_programs}
+  subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=900)
+  assert entries() == ahead  # every RL program of the run loaded from the cache
   subprocess.run(_rl_cmd(b, 2, a / "sft", True), check=True, env=env, capture_output=True, timeout=900)
   out = subprocess.run(_rl_cmd(b, 4, a / "sft", True), check=True, env=env, capture_output=True, text=True, timeout=900)
   assert "resumed from generation 2" in out.stdout

@@ -1,6 +1,6 @@
 """Parallelism: the device mesh and logical-axis rules (mesh.py), the expert-parallel MoE lives in model/moe_parallel.py;
 per-device kernels under GSPMD (local_ops.py), multi-host helpers (multihost.py),
-independent programs side by side (threads.py), independent stages in processes (processes.py).
+independent programs side by side (threads.py), independent stages in processes, work beside a stage (processes.py).
 
     mesh = parallel.make_mesh(config.mesh)                 # data / fsdp / expert / tensor
     rules = parallel.rules(config)                         # config.mesh.rules + DEFAULT_RULES
@@ -29,7 +29,7 @@ from stepflash_jax.parallel.mesh import (
   use_mesh,
 )
 from stepflash_jax.parallel.multihost import host_shard, initialize, local_batch_size, to_host
-from stepflash_jax.parallel.processes import side_by_side
+from stepflash_jax.parallel.processes import beside, side_by_side
 from stepflash_jax.parallel.threads import concurrently, thread_map
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
   "MESH_AXES",
   "axis_sizes",
   "batch_axes",
+  "beside",
   "batch_sharding",
   "check_rules",
   "concurrently",

@@ -9,6 +9,7 @@ after a kill -9 of it, so that a rerun of the same command never races an orphan
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import threading
@@ -48,3 +49,18 @@ def side_by_side(calls) -> None:
   failed = {i + 1: p.exitcode for i, p in enumerate(procs) if p.exitcode != 0}
   if failed:
     raise RuntimeError(f"side_by_side: the call(s) {sorted(failed)} failed (exit codes {list(failed.values())})")
+
+
+@contextlib.contextmanager
+def beside(fn, args):
+  """fn(*args) in a spawned process (as side_by_side's) while the with-block runs, for work that is only worth
+  having before the block ends (e.g. compiling a later stage's programs): the process is killed when the block
+  ends, and its failure is no error (its traceback is on stderr)."""
+  proc = multiprocessing.get_context("spawn").Process(target=_spawned, args=(fn, args, os.getpid()))
+  proc.start()
+  try:
+    yield proc
+  finally:
+    if proc.is_alive():
+      proc.kill()
+    proc.join()

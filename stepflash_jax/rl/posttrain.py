@@ -24,10 +24,14 @@ followed by the same command ends with the same table.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
 import os
+import shutil
+import tempfile
+import time
 
 import jax
 import ml_collections
@@ -39,7 +43,7 @@ from stepflash_jax import parallel
 from stepflash_jax.data import load_tokenizer_dir, tasks
 from stepflash_jax.data.pipeline import example_dataset
 from stepflash_jax.files import atomic_write
-from stepflash_jax.rl import distill, reward_training, trainer
+from stepflash_jax.rl import distill, reward_training, trainer, warmup
 from stepflash_jax.train import evaluate, sft
 from stepflash_jax.train import state as state_lib
 from stepflash_jax.train.metrics import summary_table
@@ -265,8 +269,12 @@ def _stages(base, table, dirs, workdir, rows, log):
     table.add(stage, rows(variables, tok))
     log(_row_text(stage, table.rows[stage]))
 
+  student, groups = _student(base), [tuple(g) for g in p.chains] or [tuple(domains)]
   if "sft" not in table.rows:
-    sft_out = sft.train(base, dirs["sft"], log=log, reuse="pipeline.dirs.sft" if p.dirs.get("sft") else None)
+    order = [g[i] for i in range(max(map(len, groups))) for g in groups if i < len(g)]  # each chain's first first
+    ahead = [(f"expert_{d}", expert_config(base, d, dirs["sft"])) for d in order if f"expert_{d}" not in table.rows]
+    with _ahead(base, ahead):
+      sft_out = sft.train(base, dirs["sft"], log=log, reuse="pipeline.dirs.sft" if p.dirs.get("sft") else None)
 
   def sft_row():  # evaluated beside the spawned chains' first stages
     if "sft" not in table.rows:
@@ -275,7 +283,6 @@ def _stages(base, table, dirs, workdir, rows, log):
   data_path = os.path.join(dirs["distill"], "distilled.jsonl")
   experts = [f"expert_{d}" for d in domains]
   if not os.path.exists(data_path) or any(e not in table.rows for e in experts):
-    groups = [tuple(g) for g in p.chains] or [tuple(domains)]
     tag = (lambda g: "[" + "+".join(g) + "] ") if len(groups) > 1 else (lambda g: "")
     done, cache = set(table.rows), jax.config.jax_compilation_cache_dir
 
@@ -292,13 +299,6 @@ def _stages(base, table, dirs, workdir, rows, log):
     if not os.path.exists(data_path):
       _gather(domains, dirs["distill"], data_path, log)
   sft_row()
-  # the student's stages evaluate the combined mixture once, at their end, on one eval batch: their table rows are
-  # the per-domain evaluations (eval.num_examples problems of each domain)
-  student = stage_config(
-    base,
-    train=dict(steps=p.student_sft_steps, eval_every=p.student_sft_steps),
-    eval=dict(num_examples=min(base.eval.num_examples, base.eval.batch_size)),
-  )
   if "student_sft" not in table.rows:
     out = sft.train(student, dirs["student_sft"], log=log, examples=distill.read_examples(data_path))
     record("student_sft", out["variables"], out["tokenizer"])
@@ -306,6 +306,48 @@ def _stages(base, table, dirs, workdir, rows, log):
     rl = dict(sft_workdir=dirs["student_sft"], steps=p.student_rl_steps, eval_every=p.student_rl_steps)
     trainer.run(student_rl_config(student, **rl), dirs["student_rl"], log=log)
     record("student_rl", *_exported(base, dirs["student_rl"]))
+
+
+def _student(base):
+  """The student's stages evaluate the combined mixture once, at their end, on one eval batch: their table rows
+  are the per-domain evaluations (eval.num_examples problems of each domain)."""
+  n = base.pipeline.student_sft_steps
+  return stage_config(
+    base, train=dict(steps=n, eval_every=n), eval=dict(num_examples=min(base.eval.num_examples, base.eval.batch_size))
+  )
+
+
+@contextlib.contextmanager
+def _ahead(base, todo):
+  """With pipeline.compile_ahead and a compilation cache: while the with-block (pre-training and SFT) runs, a
+  helper process compiles the programs of the later RL stages todo = [(stage, config), ...] into the cache, in
+  order (rl/warmup.py); the helper is stopped when the block ends, and whatever it has not compiled yet the stages
+  compile themselves."""
+  cache = jax.config.jax_compilation_cache_dir
+  if not (base.pipeline.compile_ahead and cache and todo):
+    yield
+    return
+  scratch = tempfile.mkdtemp(prefix=".ahead-", dir=cache)  # the helper's own cache: it may be killed mid-write
+  try:
+    with parallel.beside(_compile_ahead, (todo, cache, scratch)):
+      yield
+  finally:
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _compile_ahead(todo, cache, scratch):
+  """The helper of _ahead: for each (stage, config) of todo the programs of trainer.run(config) compiled in the
+  cache directory scratch (the job's cache linked in first: what exists loads), the new entries added to the job's
+  cache as each stage is done (caches.share: whole entries only)."""
+  os.nice(19)  # the idle share of the cores: pre-training beside it slowed by 15% instead of 57% (README)
+  host.keep_freed_memory()
+  caches.share(cache, scratch)
+  caches.enable_compile_cache(scratch)
+  for stage, c in todo:
+    t = time.time()
+    warmup.compile_rl(c)
+    n = caches.share(scratch, cache)
+    print(f"[compile ahead] {stage}: {n} programs in {time.time() - t:.0f} s", flush=True)
 
 
 def _tagged(log, tag: str, text: str) -> None:
