@@ -2,14 +2,14 @@
 per domain -> self-distillation by rejection sampling -> student SFT from the pre-training checkpoint -> student RL
 on all domains, with a per-domain accuracy table (<workdir>/summary.md).
 
-  python experiments/run.py --config=configs/pipeline.py          # runs/pipeline: 36 min (2026-12-05)
+  python experiments/run.py --config=configs/pipeline.py          # runs/pipeline: 35 min (2026-12-05)
   python experiments/run.py --config=configs/pipeline.py:small    # test-suite size: 3 min 52 s cold (2026-12-05)
-The full run took 36 min 15 s (63.4 CPU-minutes) from scratch on a 2-core AMD EPYC VM, alone with a fresh XLA cache,
-and met every accuracy target (README, thirteenth run: the domains' chains in two processes; the same VM's ninth run
-was 1.5x slower); the small one ran alone with a fresh cache (its chains in two processes too). The domains are
-arithmetic, countdown, tool use (multi-turn, with the calculator tool) and preference (a learned judge's reward,
-scored by its hidden gold score). The measured tables, stage times and what falls short: README, "The post-training
-pipeline" (thirteenth to ninth runs).
+The full run took 35 min 29 s (64.0 CPU-minutes) from scratch on a 2-core AMD EPYC VM, alone with a fresh XLA cache,
+and met every accuracy target (README, fourteenth run: the domains' chains in two processes, the experts' programs
+compiled during SFT; the same VM's ninth run was 1.5x slower); the small one ran alone with a fresh cache (its
+chains in two processes too). The domains are arithmetic, countdown, tool use (multi-turn, with the calculator tool)
+and preference (a learned judge's reward, scored by its hidden gold score). The measured tables, stage times and
+what falls short: README, "The post-training pipeline" (fourteenth to ninth runs).
 Rerunning the same command resumes at the first unfinished stage; --config.pipeline.dirs.sft=DIR (or any stage)
 reuses an existing run.
 """
@@ -136,8 +136,9 @@ def get_config(arg: str = ""):
   # loads the arithmetic expert's compiled programs (same shapes) from the compilation cache; () = one after the
   # other in the job's process
   p.chains = (("arithmetic", "tool"), ("preference",) if small else ("preference", "countdown"))
-  # while pre-training and SFT train (~1.6 of the 2 cores busy), a helper process compiles the RL stages' programs
-  # into the compilation cache (rl/warmup.py); the small mode's stages are too short for it to finish anything
+  # while pre-training and SFT train (~1.6 of the 2 cores busy), a niced helper process compiles the experts' RL
+  # programs into the compilation cache (rl/warmup.py): chains -2.3 min, pre-training + SFT +0.9 (README, fourteenth
+  # run); the small mode's stages are too short for it to finish anything (tests/test_posttrain.py turns it on)
   p.compile_ahead = not small
   # "" = <workdir>/<stage>; a path reuses that run (e.g. another pipeline's SFT stage)
   p.dirs = ml_collections.ConfigDict(
