@@ -338,22 +338,17 @@ def _rl_cmd(workdir, steps, sft_workdir="", overlap=False):
   ]
 
 
-# rl/warmup.py's compile_rl on the config of _rl_cmd's command (its --config.* overrides in argv)
+# rl/warmup.py's compile_rl on the config of a run.py command line (argv: its flags, parsed as run.py parses them)
 COMPILE_AHEAD = """
-import ast, sys
+import sys
+from absl import flags
+from experiments import run
 from stepflash_jax import caches
-from stepflash_jax.config import load_config_file
 from stepflash_jax.rl import warmup
-cfg = load_config_file(sys.argv[1], "small")
-for flag in sys.argv[2:]:
-  path, value = flag[len("--config."):].split("=", 1)
-  *parents, leaf = path.split(".")
-  node = cfg
-  for k in parents:
-    node = node[k]
-  node[leaf] = value if isinstance(node[leaf], str) else ast.literal_eval(value)
+sys.argv = run.keyword_fields(sys.argv)  # ml_collections reads sys.argv itself (as run.py's __main__ does)
+flags.FLAGS(sys.argv)
 caches.enable_compile_cache()
-warmup.compile_rl(cfg)
+warmup.compile_rl(run._CONFIG.value)
 """
 
 
@@ -371,10 +366,7 @@ def test_rl_resume_equals_uninterrupted(tmp_path):
   a, b = tmp_path / "a", tmp_path / "b"
   cmd = _rl_cmd(a, 4)
   subprocess.run(
-    [sys.executable, "-c", COMPILE_AHEAD, cmd[2].split("=", 1)[1].split(":")[0], *cmd[4:]],
-    check=True,
-    env=env,
-    timeout=600,
+    [sys.executable, "-c", COMPILE_AHEAD, *cmd[2:]], check=True, env=dict(env, PYTHONPATH=ROOT), timeout=600
   )
   rl_programs = ("jit_actor_step-", "jit_critic_step-", "jit_score-", "jit_values-")
   entries = lambda: sorted(n for n in os.listdir(tmp_path / "xla") if n.startswith(rl_programs))

@@ -271,9 +271,7 @@ def _stages(base, table, dirs, workdir, rows, log):
 
   student, groups = _student(base), [tuple(g) for g in p.chains] or [tuple(domains)]
   if "sft" not in table.rows:
-    order = [g[i] for i in range(max(map(len, groups))) for g in groups if i < len(g)]  # each chain's first first
-    ahead = [(f"expert_{d}", expert_config(base, d, dirs["sft"])) for d in order if f"expert_{d}" not in table.rows]
-    with _ahead(base, ahead):
+    with _ahead(base, groups, dirs, table):
       sft_out = sft.train(base, dirs["sft"], log=log, reuse="pipeline.dirs.sft" if p.dirs.get("sft") else None)
 
   def sft_row():  # evaluated beside the spawned chains' first stages
@@ -318,15 +316,18 @@ def _student(base):
 
 
 @contextlib.contextmanager
-def _ahead(base, todo):
+def _ahead(base, groups, dirs, table):
   """With pipeline.compile_ahead and a compilation cache: while the with-block (pre-training and SFT) runs, a
-  helper process compiles the programs of the later RL stages todo = [(stage, config), ...] into the cache, in
-  order (rl/warmup.py); the helper is stopped when the block ends, and whatever it has not compiled yet the stages
-  compile themselves."""
+  helper process compiles the RL programs of the experts without a row into the cache (rl/warmup.py), each chain
+  of `groups` its first expert first; the helper is stopped when the block ends, and whatever it has not compiled
+  yet the stages compile themselves."""
   cache = jax.config.jax_compilation_cache_dir
+  order = [g[i] for i in range(max(map(len, groups))) for g in groups if i < len(g)]
+  todo = [d for d in order if f"expert_{d}" not in table.rows]
   if not (base.pipeline.compile_ahead and cache and todo):
     yield
     return
+  todo = [(f"expert_{d}", expert_config(base, d, dirs["sft"])) for d in todo]
   scratch = tempfile.mkdtemp(prefix=".ahead-", dir=cache)  # the helper's own cache: it may be killed mid-write
   try:
     with parallel.beside(_compile_ahead, (todo, cache, scratch)):

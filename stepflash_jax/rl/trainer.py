@@ -250,8 +250,7 @@ def train_generation(ctx, state, step, prompts, gen, clock):
   rc, fns = ctx.config.rl, ctx.fns
   batch = sequences(prompts, gen)
   if step == ctx.start:
-    flags = {"off": (False,), "always": (True,), "auto": (False, True)}[rc.router_replay]
-    fns.compile(state, batch, (rc.actor_minibatches, rc.critic_minibatches), ctx.mesh, ctx.rules, replay=flags)
+    compile_programs(fns, state, batch, rc, ctx.mesh, ctx.rules)
     clock.stop("compile")
   # router replay (docs/rl.md §8): always, or when the rollout's routing confidence is low
   replay = rc.router_replay == "always" or (
@@ -271,6 +270,13 @@ def train_generation(ctx, state, step, prompts, gen, clock):
   if "turns" in gen:  # multi-turn tool use
     metrics.update(tool_metrics(gen))
   return state, metrics
+
+
+def compile_programs(fns, state, batch, rc, mesh, rules) -> None:
+  """Compile the generation's big programs (Programs.compile) on `batch`'s shapes, with the router-replay flags
+  rl.router_replay will use."""
+  flags = {"off": (False,), "always": (True,), "auto": (False, True)}[rc.router_replay]
+  fns.compile(state, batch, (rc.actor_minibatches, rc.critic_minibatches), mesh, rules, replay=flags)
 
 
 def score_generation(fns, state, ref, batch, scored, rc, mesh, rules, replay=False) -> dict:

@@ -43,6 +43,5 @@ def compile_rl(config) -> None:
     gen["response_mask"] = np.zeros_like(np.asarray(gen["response_mask"]))
     gen["response_mask"][:, 0] = 1.0
     gen["response_valid"] = gen["response_mask"]
-    flags = {"off": (False,), "always": (True,), "auto": (False, True)}[rc.router_replay]
     fns = Programs(args, rc, actor_tx, critic_tx, P, frozen_mask(ref["params"], rc.freeze_router))
-    fns.compile(state, sequences(prompts, gen), (rc.actor_minibatches, rc.critic_minibatches), mesh, rules, flags)
+    trainer.compile_programs(fns, state, sequences(prompts, gen), rc, mesh, rules)
