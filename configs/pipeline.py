@@ -78,8 +78,8 @@ def get_config(arg: str = ""):
     metric="greedy_gold",
     # 8 generations (configs/preference.py's RL runs 16: +0.20 sampled gold; the eighth run's expert moved greedy
     # gold by +0.03 in 12, and the student ended above it by 0.17-0.25); the longest demonstration: 64 tokens + eos
-    rl=dict(reward="genrm", max_new_tokens=72, steps=2 if small else 8),
-    eval=dict(max_new_tokens=72),
+    rl=dict(reward="genrm", max_new_tokens=96 if small else 72, steps=2 if small else 8),  # small: see below
+    eval=dict(max_new_tokens=96 if small else 72),
     # 2 samples of 2048 prompts: the expert's answers are nearly deterministic, as the arithmetic expert's are
     distill=dict(prompts=16 if small else 2048, samples=2, filters=right_answers),
   )
@@ -103,7 +103,8 @@ def get_config(arg: str = ""):
   )
   if small:  # countdown runs the arithmetic domain's code path: the test-suite size keeps one single-turn domain
     del p.domains["countdown"]
-    # the tool domain's budget and LR for every RL stage: the experts and the student share compiled programs
+    # the tool domain's budget and LR for every RL stage (the preference domain's budget too): the experts and the
+    # student share compiled programs
     c.rl.update(max_new_tokens=96, actor_lr=1e-4)
   # multi-turn tool use (configs/agent.py), for the tool domain and the student's RL on all domains
   p.agent = ml_collections.ConfigDict(

@@ -228,3 +228,8 @@ def test_pipeline_resumes_after_kill_with_the_same_table(tmp_path):
   assert json.load(open(b / "pipeline.json")) == rows
   assert open(b / "distill" / "distilled.jsonl").read() == open(a / "distill" / "distilled.jsonl").read()
   assert (b / "summary.md").read_text() == (a / "summary.md").read_text()
+  # the small table is mostly zeros: the student's training curves must be the uninterrupted run's too (timings
+  # aside: time/*, *_s)
+  curve = lambda f: [{k: v for k, v in json.loads(l).items() if k[:5] != "time/" and k[-2:] != "_s"} for l in open(f)]
+  for f in ("student_sft/metrics_sft.jsonl", "student_rl/rl/metrics_rl.jsonl"):
+    assert curve(b / f) == curve(a / f), f
