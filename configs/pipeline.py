@@ -70,6 +70,7 @@ def get_config(arg: str = ""):
   # answer 1.0, running sums 1.5). Distillation keeps right answers without the "length" filter, which would keep
   # only the bare answers the judge ranks below the running sums.
   right_answers = ("mixed_script",) if small else ("correct", "mixed_script")  # small: see distill.filters below
+  budget = 96 if small else 72  # small: every RL stage's budget (see below)
   preference = domain(
     "pref:3-5",
     # weight 1 (23% of the SFT data): at 0.25 the shared SFT policy got 0.41 greedy accuracy on it (5 addends
@@ -78,8 +79,8 @@ def get_config(arg: str = ""):
     metric="greedy_gold",
     # 8 generations (configs/preference.py's RL runs 16: +0.20 sampled gold; the eighth run's expert moved greedy
     # gold by +0.03 in 12, and the student ended above it by 0.17-0.25); the longest demonstration: 64 tokens + eos
-    rl=dict(reward="genrm", max_new_tokens=96 if small else 72, steps=2 if small else 8),  # small: see below
-    eval=dict(max_new_tokens=96 if small else 72),
+    rl=dict(reward="genrm", max_new_tokens=budget, steps=2 if small else 8),
+    eval=dict(max_new_tokens=budget),
     # 2 samples of 2048 prompts: the expert's answers are nearly deterministic, as the arithmetic expert's are
     distill=dict(prompts=16 if small else 2048, samples=2, filters=right_answers),
   )

@@ -327,10 +327,10 @@ def _ahead(base, groups, dirs, table):
   if not (base.pipeline.compile_ahead and cache and todo):
     yield
     return
-  todo = [(f"expert_{d}", expert_config(base, d, dirs["sft"])) for d in todo]
+  stages = [(f"expert_{d}", expert_config(base, d, dirs["sft"])) for d in todo]
   scratch = tempfile.mkdtemp(prefix=".ahead-", dir=cache)  # the helper's own cache: it may be killed mid-write
   try:
-    with parallel.beside(_compile_ahead, (todo, cache, scratch)):
+    with parallel.beside(_compile_ahead, (stages, cache, scratch)):
       yield
   finally:
     shutil.rmtree(scratch, ignore_errors=True)
