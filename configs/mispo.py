@@ -8,8 +8,9 @@ Measured 2026-12-01 (Intel Xeon @ 2.00GHz, 2 cores): held-out exact match (1344 
 0.687 / 0.674 after RL (+11.3 / +11.2 / +10.0 for RL seeds 0 / 1 / 2 from that run's SFT checkpoint at this actor
 LR); 2026-12-02, SFT seeds 1 / 2 (--config.seed): +12.0 / +10.3 (those before sequence packing). 2026-12-04 (AMD
 EPYC, 2 cores, fresh clone): 13 min 02 s, 20.6 CPU-minutes, 0.525 -> 0.646 (+12.1); before packing 15 min 49 s, 26.0
-CPU-minutes, +11.2. Time, gain and their spread across machines and seeds: README, "The main job: time and
-variability"."""
+CPU-minutes, +11.2. 2026-12-05 (Intel Xeon with AMX, 2 cores, fresh cache): 11 min 19 s, 17.8 CPU-minutes,
+0.558 -> 0.671 (+11.3); RL seeds 1 / 2 +12.6 / +10.3, SFT seeds 1 / 2 +14.4 / +14.1. Time, gain and their spread
+across machines and seeds: README, "The main job: time and variability"."""
 
 import ml_collections
 
