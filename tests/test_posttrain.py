@@ -18,6 +18,7 @@ from stepflash_jax.config import load_config_file
 from stepflash_jax.data import tasks
 from stepflash_jax.data.tokenizer import ASSISTANT, TOOL, load_tokenizer
 from stepflash_jax.rl import distill, posttrain
+from stepflash_jax.train.metrics import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -230,6 +231,6 @@ def test_pipeline_resumes_after_kill_with_the_same_table(tmp_path):
   assert (b / "summary.md").read_text() == (a / "summary.md").read_text()
   # the small table is mostly zeros: the student's training curves must be the uninterrupted run's too (timings
   # aside: time/*, *_s)
-  curve = lambda f: [{k: v for k, v in json.loads(l).items() if k[:5] != "time/" and k[-2:] != "_s"} for l in open(f)]
+  curve = lambda f: [{k: v for k, v in r.items() if k[:5] != "time/" and k[-2:] != "_s"} for r in read_jsonl(f)]
   for f in ("student_sft/metrics_sft.jsonl", "student_rl/rl/metrics_rl.jsonl"):
     assert curve(b / f) == curve(a / f), f

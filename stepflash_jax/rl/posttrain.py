@@ -336,15 +336,15 @@ def _ahead(base, groups, dirs, table):
     shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _compile_ahead(todo, cache, scratch):
-  """The helper of _ahead: for each (stage, config) of todo the programs of trainer.run(config) compiled in the
+def _compile_ahead(stages, cache, scratch):
+  """The helper of _ahead: for each (stage, config) of stages the programs of trainer.run(config) compiled in the
   cache directory scratch (the job's cache linked in first: what exists loads), the new entries added to the job's
   cache as each stage is done (caches.share: whole entries only)."""
   os.nice(19)  # the idle share of the cores: pre-training beside it slowed by 15% instead of 57% (README)
   host.keep_freed_memory()
   caches.share(cache, scratch)
   caches.enable_compile_cache(scratch)
-  for stage, c in todo:
+  for stage, c in stages:
     t = time.time()
     warmup.compile_rl(c)
     n = caches.share(scratch, cache)
