@@ -6,7 +6,7 @@ import re
 import pytest
 
 from stepflash_jax.data import tasks
-from stepflash_jax.data.tasks import arithmetic, base, countdown, longmul
+from stepflash_jax.data.tasks import arithmetic, base, countdown, countdown_search, longmul
 
 SETTINGS = [
   (f, d, v)
@@ -178,6 +178,50 @@ def test_countdown_generator_uses_all_numbers():
       assert value == meta["target"] and sorted(used) == sorted(meta["numbers"]) and len(used) == n
       assert all(1 <= x <= (10 if n <= 3 else 20) for x in meta["numbers"])
       assert ex["prompt"] == f"Make {meta['target']} from " + " ".join(map(str, meta["numbers"]))
+
+
+def _search_tries(answer):
+  """The tries of a countdown_search answer as lists of (a, op, b, c) steps, with each miss's '<' / '>' target."""
+  body = answer[len("<think>") : answer.index("</think>")]
+  tries = []
+  for t in body.split(";"):
+    m = re.fullmatch(r"(.*?)(?:([<>])(\d+))?", t)
+    steps = [re.fullmatch(r"(\d+)([-+*])(\d+)=(\d+)", x).groups() for x in m.group(1).split(",")]
+    tries.append(([(int(a), op, int(b), int(c)) for a, op, b, c in steps], m.group(2), m.group(3)))
+  return tries
+
+
+def test_countdown_search_answers_are_true_searches():
+  """Every step is true (checked by Python's own arithmetic); each miss uses all the numbers, ends off the target
+  and compares its value with it correctly; the last try hits the target; the problem, split and final expression
+  are countdown's for the same seed."""
+  ops = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y}
+  misses = collections.Counter()
+  for n in countdown_search.DIFFICULTIES:
+    for s in range(60):
+      split = "test" if s % 5 == 0 else "train"
+      ex, ref = countdown_search.generate(s, n, split), countdown.generate(s, n, split)
+      assert {k: ex[k] for k in ("prompt", "metadata", "difficulty")} == {
+        k: ref[k] for k in ("prompt", "metadata", "difficulty")
+      }
+      assert ex["family"] == "countdown_search" and tasks.check(ex, ex["answer"])
+      assert ex["answer"].split("</think>")[1] == ref["answer"].split("</think>")[1]
+      target, numbers = ex["metadata"]["target"], sorted(ex["metadata"]["numbers"])
+      tries = _search_tries(ex["answer"])
+      misses[len(tries) - 1] += 1
+      assert len({str(t) for t in tries}) == len(tries)  # no try repeated
+      for k, (steps, cmp, stated) in enumerate(tries):
+        assert all(ops[op](a, b) == c for a, op, b, c in steps), steps
+        assert all(steps[i][3] == steps[i + 1][0] for i in range(len(steps) - 1))  # left-deep: a chain
+        assert sorted([steps[0][0]] + [b for _, _, b, _ in steps]) == numbers
+        value = steps[-1][3]
+        if k < len(tries) - 1:
+          assert int(stated) == target and value != target and cmp == (">" if value > target else "<")
+        else:
+          assert cmp is None and value == target
+  assert set(misses) == set(range(countdown_search.MAX_MISSES + 1)), misses  # 0..3 misses all occur
+  assert countdown_search.canonical(ex["metadata"]) == countdown.canonical(ex["metadata"])
+  assert [c.family for c in tasks.parse_mixture("countdown_search:3")] == ["countdown_search"]
 
 
 def test_splits_disjoint_by_construction():

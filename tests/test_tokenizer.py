@@ -32,7 +32,7 @@ def test_digits_and_math_symbols_are_single_pieces(tok):
   assert len(set(ids)) == 17
 
 
-@pytest.mark.parametrize("family", ["arithmetic", "countdown"])
+@pytest.mark.parametrize("family", ["arithmetic", "countdown", "countdown_search"])  # its "<>;": byte pieces
 def test_round_trip_every_family(tok, family):
   task = tasks.get_task(family)
   for d in task.DIFFICULTIES:

@@ -243,6 +243,26 @@ def test_rl_mixture_is_checked_and_long_config_is_valid():
     validate_run_config(cfg)
 
 
+def test_countdown_search_config_fits_its_longest_answers():
+  """configs/countdown_search.py validates in both modes; its budget holds the longest search answer (3 misses) of
+  its held-out problems and its eos, and its problems are countdown's."""
+  from stepflash_jax.data.hf_tokenizer import tokenizer_for
+  from stepflash_jax.train.evaluate import heldout_examples
+  from stepflash_jax.train.validate import validate_run_config
+
+  for mode in ("small", None):
+    cfg = load_config_file(os.path.join(ROOT, "configs", "countdown_search.py"), mode)
+    validate_run_config(cfg)
+  tok = tokenizer_for(cfg)
+  cfg.eval.num_examples = 256
+  held = heldout_examples(cfg, tok)
+  assert {x["family"] for x in held} == {"countdown_search"}
+  longest = max(len(tok.encode(x["answer"])) for x in held)
+  assert cfg.rl.max_new_tokens >= longest + 1 and longest >= 60  # + eos
+  cfg.data.mixture = "countdown:3"  # the one-try comparison: the same problems
+  assert [x["prompt"] for x in heldout_examples(cfg, tok)] == [x["prompt"] for x in held]
+
+
 def test_kl_start_schedule_and_validation(setup):
   from stepflash_jax.train.validate import validate_run_config
 

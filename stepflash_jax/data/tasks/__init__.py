@@ -16,7 +16,7 @@ import random
 from types import ModuleType
 from typing import Any, Mapping, Sequence
 
-from stepflash_jax.data.tasks import arithmetic, base, countdown, longmul, pref
+from stepflash_jax.data.tasks import arithmetic, base, countdown, countdown_search, longmul, pref
 from stepflash_jax.data.tasks.base import SPLITS, TEST_FRACTION, extract_answer, split_of
 
 _TASKS: dict[str, Any] = {}
@@ -46,6 +46,7 @@ def families() -> list[str]:
 
 register_task(arithmetic)
 register_task(countdown)
+register_task(countdown_search)
 register_task(longmul)
 register_task(pref)
 

@@ -44,24 +44,32 @@ def _apply(x: int, op: str, y: int) -> int:
   return x + y if op == "+" else x - y if op == "-" else x * y
 
 
+def random_chain(rng, numbers: list[int]) -> tuple[int, list[str], str] | None:
+  """A left-deep chain over all `numbers` in a random order with random operators: (value, its steps "a op b = c",
+  its expression), or None when an intermediate value leaves 1..MAX_VALUE."""
+  n = len(numbers)
+  order = rng.sample(range(n), n)
+  value, expr, steps = numbers[order[0]], str(numbers[order[0]]), []
+  for k, i in enumerate(order[1:]):
+    op = rng.choice("+-*")
+    new = _apply(value, op, numbers[i])
+    if not 1 <= new <= MAX_VALUE:
+      return None
+    steps.append(f"{value}{op}{numbers[i]}={new}")
+    expr = f"({expr}){op}{numbers[i]}" if k > 0 else f"{expr}{op}{numbers[i]}"
+    value = new
+  return value, steps, expr
+
+
 def generate(seed: int, difficulty: int, split: str = "train", variant: str | None = None) -> dict:
   """A deterministic problem of `split` from `seed`; see the module docstring for the format."""
   n, rng = base.generator_rng(FAMILY, DIFFICULTIES, VARIANTS, seed, difficulty, split, variant)
   for _ in range(base.MAX_REJECTION_TRIES):
     numbers = [rng.randint(1, max_number(n)) for _ in range(n)]
-    order = rng.sample(range(n), n)
-    value, expr, steps, ok = numbers[order[0]], str(numbers[order[0]]), [], True
-    for k, i in enumerate(order[1:]):
-      op = rng.choice("+-*")
-      new = _apply(value, op, numbers[i])
-      if not 1 <= new <= MAX_VALUE:
-        ok = False
-        break
-      steps.append(f"{value}{op}{numbers[i]}={new}")
-      expr = f"({expr}){op}{numbers[i]}" if k > 0 else f"{expr}{op}{numbers[i]}"
-      value = new
-    if not ok:
+    chain = random_chain(rng, numbers)
+    if chain is None:
       continue
+    value, steps, expr = chain
     metadata = dict(numbers=numbers, target=value)
     if base.split_of(canonical(metadata)) != split:
       continue
