@@ -8,11 +8,11 @@ comparison with the target ('>' or '<', then the target), and then countdown's c
   prompt:  "Make 14 from 3 2 9"
   answer:  "<think>9*2=18,18+3=21>14;3*9=27,27+2=29>14;9+2=11,11+3=14</think>(9+2)+3"
 
-Why (docs/training.md, the task families): countdown's demonstrations always reach the target on the first try, so a model that cannot
-find the operators in its head learns to guess them and force the last step to the target by a false equation
-(README: 589 of 615 of a student's wrong answers). Here every written step is true and a miss is followed by
-another try, so the model learns to compute its try, compare it with the target and go on. Responses at
-difficulty 3 (the tiny tokenizer with this family): ~15-90 tokens instead of countdown's ~15-25, so its jobs need a
+Why (docs/training.md, the task families): countdown's demonstrations always reach the target on the first try,
+so a model that cannot find the operators in its head learns to guess them and force the last step to the target
+by a false equation (README: 589 of 615 of a student's wrong answers). Here every written step is true and a miss is
+followed by another try, so the model learns to compute its try, compare it with the target and go on. Answers at
+difficulty 3 take up to ~90 tokens with the main job's tokenizer instead of countdown's ~15-25, so its jobs need a
 longer budget (configs/countdown_search.py: 96 tokens).
 '>', '<' and ';' occur in no other family's text: the tokenizer writes them as byte pieces (one token each),
 whether or not the family is in data.tokenizer_families.
