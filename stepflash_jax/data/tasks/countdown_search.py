@@ -20,8 +20,6 @@ whether or not the family is in data.tokenizer_families.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
 from stepflash_jax.data.tasks import base, countdown
 
 FAMILY = "countdown_search"
@@ -30,11 +28,7 @@ VARIANTS = (None,)
 MAX_MISSES = 3  # misses before the hit, drawn uniformly from 0..MAX_MISSES (repeats dropped)
 MISS_TRIES = 20  # random chains drawn to find one miss (a miss is dropped when none of them misses)
 check = countdown.check
-
-
-def canonical(metadata: Mapping[str, Any]) -> str:
-  """countdown's: a problem is held out in both families or in neither."""
-  return countdown.canonical(metadata)
+canonical = countdown.canonical  # so a problem is held out in both families or in neither
 
 
 def miss(rng, numbers: list[int], target: int) -> str | None:
