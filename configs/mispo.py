@@ -71,6 +71,9 @@ def get_config(arg: str = ""):
   r.token_bounds = (0.5, 2.0)  # MIS-PO token filter on pi_old / pi_vllm (inclusive)
   r.traj_bounds = (0.996, 1.001)  # MIS-PO trajectory filter on the geometric-mean ratio (asymmetric)
   r.normalizer = "valid"  # divide by all valid response tokens (filtered ones included); or "kept"
+  # rho averages log x_t over every valid response token, as the report's formula reads (open there); "kept": only
+  # over the tokens inside token_bounds, so one far-off token does not filter its whole trajectory
+  r.rho_tokens = "all"
   r.ppo_clip = 0.2
   r.gspo_clip = 1e-4
   r.tis_cap = 2.0
@@ -82,6 +85,7 @@ def get_config(arg: str = ""):
   r.lam = 1.0
   r.truncation = "bootstrap"  # truncated responses get V(s_T); "zero" for the ablation
   r.reward = "rule"  # stepflash_jax.rl.rewards registry
+  r.reward_filters = ()  # zero-reward filters applied first, e.g. ("format", "mixed_script") (docs/rewards.md)
   # {task family: reward} for the samples of those families (rewards.ByFamily; the pipeline's student gives the
   # preference domain its learned judge); empty = rl.reward for every sample
   r.family_rewards = ml_collections.ConfigDict()

@@ -210,7 +210,7 @@ def _probe_row(name, dtype, noise, parts, rc) -> dict:
   cat = lambda k: np.concatenate([p[k] for p in parts])
   logp_old, conf, mask, logp_rollout = cat("logp_old"), cat("conf"), cat("mask"), cat("logp_rollout")
   keep, info = losses.mis_mask(
-    jnp.asarray(logp_old), jnp.asarray(logp_rollout), jnp.asarray(mask), tuple(rc.token_bounds), tuple(rc.traj_bounds)
+    jnp.asarray(logp_old), jnp.asarray(logp_rollout), jnp.asarray(mask), **programs.mis_args(rc)
   )
   diff = np.abs(logp_old - logp_rollout)
   ad = diff[mask > 0]

@@ -57,11 +57,14 @@ def main(argv):
     enable_compile_cache(None if _COMPILE_CACHE.value == "default" else _COMPILE_CACHE.value)
   from stepflash_jax.config import ConfigError
   from stepflash_jax.hf import resolve_model
-  from stepflash_jax.train.validate import validate_run_config
+  from stepflash_jax.train.validate import resolve_pack, validate_run_config
 
   config = _CONFIG.value
   try:
     resolve_model(config)  # model.hf_dir: the checkpoint's architecture
+    note = resolve_pack(config, jax.device_count())
+    if note:
+      print(note, flush=True)
     validate_run_config(config, num_devices=jax.device_count())
     if config.job in ("rl", "pipeline"):
       from stepflash_jax.rl import posttrain, reward_training

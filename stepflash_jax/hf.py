@@ -2,7 +2,8 @@
 
 Torch Linear weights are [out, in]; our kernels are [in..., out...] (experts: [E, in, out]). Norm weights are w
 of the 1 + w convention on both sides. MTP module k is HF layer `num_layers + k`. Scanned layers are un/stacked.
-`load(save(x))` reproduces x exactly: dtypes are kept as stored (config.param_dtype follows them).
+`load(save(x))` reproduces x exactly: dtypes are kept as stored (config.param_dtype follows them), except that the
+router's weight and bias are always read as fp32.
 """
 
 from __future__ import annotations
@@ -268,6 +269,7 @@ def load_hf_checkpoint(path: str, **config_overrides):
     if tuple(t.shape) != want:
       raise ValueError(f"tensor '{hf}' has shape {tuple(t.shape)}, expected {want}")
     x = t if nin is None else jnp.swapaxes(t, -1, -2).reshape(shape)
+    x = x.astype(jnp.float32) if col == "router" or "router" in p else x  # the router is fp32 whatever is stored
     staged.setdefault((col, p), {})[stack] = x
   variables = {}
   for (col, p), parts in staged.items():

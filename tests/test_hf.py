@@ -112,3 +112,40 @@ def test_hf_config_keys_parse():
     assert list(np.atleast_1d(back[k])) == list(np.atleast_1d(c[k])), k
   hf48 = dict(hf, num_hidden_layers=48)  # some exports count the MTP layers too
   assert sfj.from_hf_config(hf48).num_layers == 45
+
+
+def test_hf_config_missing_keys_mean_what_the_reference_reads():
+  """Keys left out or null read as the remote modeling code with vLLM's Step3p5Config reads them; settings this
+  model does not implement are errors naming the key."""
+  c = sfj.model_config()
+  hf = sfj.to_hf_config(c)
+  lean = {k: v for k, v in hf.items() if k not in ("moe_layers_enum", "share_expert_dim", "moe_num_experts")}
+  lean.update(sliding_window=None, swiglu_limits=[None] * 47 + [7.0])
+  back = sfj.from_hf_config(lean)
+  assert list(back.moe_layers) == list(range(1, 45))  # every layer but the first
+  assert back.shared_expert_intermediate_size == hf["moe_intermediate_size"] * hf["moe_top_k"]  # 1280 * 8
+  assert back.num_experts == 16
+  assert back.sliding_window == hf["max_position_embeddings"]  # no window
+  assert list(back.swiglu_limits) == [0.0] * 47 + [7.0]  # null = no clamp
+  other = dict(hf["attention_other_setting"], num_attention_groups=4)
+  with pytest.raises(ValueError, match=r"attention_other_setting\.num_attention_groups' = 4"):
+    sfj.from_hf_config(dict(hf, attention_other_setting=other))
+  for key, value in (("use_moe_router_bias", False), ("use_head_wise_attn_gate", False), ("tie_word_embeddings", True)):
+    with pytest.raises(ValueError, match=rf"'{key}' = {value} is not supported"):
+      sfj.from_hf_config(dict(hf, **{key: value}))
+  with pytest.raises(ValueError, match="use_rope_layers"):
+    sfj.from_hf_config(dict(hf, use_rope_layers=[True] * 47 + [False]))
+
+
+def test_router_stored_in_bf16_loads_as_fp32(ckpt, tmp_path):
+  import ml_dtypes
+
+  v, path = ckpt
+  name = "model.layers.3.moe.gate.weight"
+  _rewrite(path, tmp_path / "bf16", lambda W: W.update({name: W[name].astype(ml_dtypes.bfloat16)}))
+  _, v2 = sfj.load_hf_checkpoint(str(tmp_path / "bf16"))
+  leaves = {jax.tree_util.keystr(k): x for k, x in jax.tree_util.tree_leaves_with_path(v2)}
+  routers = {k: x for k, x in leaves.items() if "router" in k}
+  assert routers and all(x.dtype == jnp.float32 for x in routers.values())
+  want = np.asarray(v["params"]["layer_3"]["moe"]["router"]["kernel"]).astype(ml_dtypes.bfloat16).astype(np.float32)
+  np.testing.assert_array_equal(v2["params"]["layer_3"]["moe"]["router"]["kernel"], want)

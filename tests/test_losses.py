@@ -137,6 +137,43 @@ def test_token_bounds_inclusive():
   np.testing.assert_array_equal(g[0] != 0, [False, True, False, False, True, True])
 
 
+@pytest.mark.parametrize("bound", [0.996, 1.001])
+def test_trajectory_exactly_on_a_bound_is_kept(bound):
+  """Every token at log x = float32(log bound): rho sits on the bound for any length and the row is kept (a plain
+  float32 sum of 18 or more such values drifts past the bound); one ulp further out on every token filters it."""
+  lengths = np.array([1, 2, 17, 18, 21, 64, 255, 256])
+  mask = _mask(lengths, 256)
+  edge = F32(math.log(bound))
+  out = np.nextafter(edge, F32(np.inf) if bound > 1 else F32(-np.inf))
+  for log_x, kept in ((edge, True), (out, False)):
+    logp_old = np.full(mask.shape, log_x, F32)  # logp_old - logp_rollout = log_x exactly
+    keep, info = losses.mis_mask(logp_old, np.zeros_like(mask), mask, traj_bounds=(0.996, 1.001))
+    np.testing.assert_array_equal(np.asarray(info["traj_ok"]), [kept] * len(lengths))
+    np.testing.assert_array_equal(np.asarray(keep), mask if kept else 0 * mask)
+
+
+def test_rho_tokens_switch():
+  """rho over every valid token (the report's formula) or over the tokens inside the token bounds only."""
+  log_x = np.zeros((2, 8), F32)
+  log_x[0, 3] = math.log(10.0)  # one token far outside [0.5, 2]
+  log_x[1, :5] = math.log(1.0005)
+  mask = _mask([8, 5], 8)
+  zeros = np.zeros_like(log_x)
+  keep, info = losses.mis_mask(log_x, zeros, mask)
+  np.testing.assert_allclose(np.exp(np.asarray(info["log_rho"])), [10 ** (1 / 8), 1.0005], rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(info["traj_ok"]), [False, True])  # 10^(1/8) = 1.33 > 1.001
+  keep, info = losses.mis_mask(log_x, zeros, mask, rho_tokens="kept")
+  np.testing.assert_allclose(np.exp(np.asarray(info["log_rho"])), [1.0, 1.0005], rtol=1e-6)
+  want = mask.copy()
+  want[0, 3] = 0.0  # the far-off token itself is still filtered by the token bounds
+  np.testing.assert_array_equal(np.asarray(keep), want)
+  adv, logp = np.ones_like(log_x), np.full_like(log_x, -1.0)
+  loss, _ = losses.mispo_loss(logp, log_x, zeros, adv, mask, rho_tokens="kept")
+  assert float(loss) == pytest.approx(want.sum() / mask.sum())
+  with pytest.raises(ValueError, match="rho_tokens"):
+    losses.mis_mask(log_x, zeros, mask, rho_tokens="some")
+
+
 def test_everything_filtered_is_zero_and_finite():
   rng = np.random.RandomState(2)
   B, T = 3, 4

@@ -22,8 +22,8 @@ from stepflash_jax.optim import (
   polar_express_coeffs,
 )
 
-# Independent copy of the Polar Express reference list (NoahAmsel/PolarExpress polar_express/basic.py; the same
-# list in StepFun's SteptronOss steptronoss/optimizer/_helpers.py; rows 1-6 are the Step 3.5 Flash report's table).
+# Independent copy of the Step 3.5 Flash report's table (rows 1-6 and the "later" row; the first six rows of the
+# Polar Express reference list, NoahAmsel/PolarExpress polar_express/basic.py, and of StepFun's SteptronOss).
 # Do not import from the module under test.
 TABLE = [
   (8.28721201814563, -23.595886519098837, 17.300387312530933),
@@ -32,13 +32,12 @@ TABLE = [
   (3.3184196573706015, -2.488488024314874, 0.51004894012372),
   (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
   (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
-  (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
 ]
 LATER = (1.875, -1.25, 0.375)
 
 
 def np_coeffs(steps):
-  """The reference's schedule: safety 1.01 on every polynomial of its list but the last (LATER), which repeats."""
+  """The report's schedule: safety 1.01 on each of the six listed rows; LATER, unscaled, repeats after them."""
   ref = [(a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in TABLE] + [LATER]
   return ref[:steps] + [LATER] * (steps - len(ref))
 

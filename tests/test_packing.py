@@ -112,3 +112,19 @@ def test_pack_is_validated(setup):
   cfg.rl.micro_batch, cfg.mesh.data = 0, 2
   with pytest.raises(ValueError, match="rl.pack.*one device"):
     validate_run_config(cfg, num_devices=2)
+
+
+def test_run_turns_packing_off_where_it_cannot_run(setup):
+  """run.py's resolve_pack: a default rl.pack does not stop a run with micro-batches or on a mesh (issue 6's and 14's
+  commands); it is set to 0 with a note naming why, and the config then validates."""
+  from stepflash_jax.train.validate import resolve_pack, validate_run_config
+
+  cfg = setup[0].copy_and_resolve_references()
+  cfg.rl.pack = 0.75
+  assert resolve_pack(cfg, 1) == "" and cfg.rl.pack == 0.75  # one device, whole batches: packing stays
+  cfg.rl.micro_batch = 4
+  assert "rl.micro_batch=4" in resolve_pack(cfg, 1) and cfg.rl.pack == 0.0
+  validate_run_config(cfg, num_devices=1)
+  cfg.rl.pack, cfg.rl.micro_batch, cfg.mesh.data = 0.75, 0, 2
+  assert "a mesh of 2 devices" in resolve_pack(cfg, 2) and cfg.rl.pack == 0.0
+  validate_run_config(cfg, num_devices=2)

@@ -201,6 +201,9 @@ def test_router_replay_config_is_checked(setup):
   cfg.rl.router_replay, cfg.rl.replay_threshold = "auto", 1.5
   with pytest.raises(ValueError, match="rl.replay_threshold"):
     validate_run_config(cfg)
+  cfg.rl.router_replay, cfg.rl.replay_threshold, cfg.rl.rho_tokens = "off", 0.5, "some"
+  with pytest.raises(ValueError, match="rl.rho_tokens"):
+    validate_run_config(cfg)
 
 
 @pytest.mark.parametrize("objective", ["mispo", "ppo", "gspo", "tis"])
@@ -222,6 +225,12 @@ def test_normalizer_applies_to_every_objective(setup, objective, monkeypatch):
   rc.normalizer = "valid"
   assert float(programs.objective(rc, jnp.asarray(lo), mb)[1]["denominator"]) == 24.0
   assert seen == ["kept", "valid"]  # the trainer passes rl.normalizer to every objective
+  if objective in ("mispo", "gspo"):  # and rl.rho_tokens to the MIS-filtered ones: rho over the kept tokens only
+    rc.rho_tokens = "kept"
+    mb["logp_old"] = lo.copy()
+    mb["logp_old"][1, 0] += 5.0  # one token outside the token bounds: without it trajectory 1's rho is ~1.0
+    mb["logp_old"][1, 1:] = lr[1, 1:]
+    assert float(programs.objective(rc, jnp.asarray(lo), mb)[1]["traj_keep_frac"]) == 1.0
 
 
 def test_rl_mixture_is_checked_and_long_config_is_valid():

@@ -8,14 +8,43 @@ from stepflash_jax.config.checks import validate
 from stepflash_jax.config.defaults import FULL, SWA, model_config
 
 
+# config.json settings the reference reads that this model implements one way only (sigmoid routing with a bias,
+# the head-wise gate, an untied head); with a router bias the reference ignores moe_router_activation
+UNSUPPORTED = dict(use_moe_router_bias=True, use_head_wise_attn_gate=True, tie_word_embeddings=False)
+
+
+def _check_supported(hf: dict) -> None:
+  """ValueError naming a config.json setting this model implements one way only (UNSUPPORTED, RoPE on every layer,
+  one KV head count for both attention types)."""
+  for key, value in UNSUPPORTED.items():
+    if key in hf and hf[key] is not None and hf[key] != value:
+      raise ValueError(f"config.json: '{key}' = {hf[key]!r} is not supported (this model implements {value!r})")
+  if not all(hf.get("use_rope_layers") or [True]):
+    raise ValueError("config.json: 'use_rope_layers' turns RoPE off on some layers; not supported")
+  kv, other = hf.get("num_attention_groups"), hf.get("attention_other_setting") or {}
+  if kv is not None and int(other.get("num_attention_groups", kv)) != int(kv):
+    raise ValueError(
+      f"config.json: 'attention_other_setting.num_attention_groups' = {other['num_attention_groups']} differs "
+      f"from 'num_attention_groups' = {kv}; this model has one KV head count for every layer"
+    )
+
+
 def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
-  """Read the released Step3p5 `config.json` keys (48-entry per-layer lists, attention_other_setting, ...)."""
+  """Read the released Step3p5 `config.json` keys (48-entry per-layer lists, attention_other_setting, ...).
+
+  A missing key means what it means to the reference (the remote modeling code with vLLM's Step3p5Config): no
+  `moe_layers_enum` = MoE on layers 1..L-1, no `share_expert_dim` = moe_intermediate_size * moe_top_k, MoE sizes
+  16 experts / top-4 / width 10240, a null `sliding_window` = no window on the sliding layers, a null clamp = none.
+  Settings this model does not implement (no router bias, no head-wise gate, a tied head, layers without RoPE)
+  raise ValueError naming the key.
+  """
 
   def need(k):
     if k not in hf:
       raise ValueError(f"config.json: missing key '{k}'")
     return hf[k]
 
+  _check_supported(hf)
   n_lists = len(need("layer_types"))
   mtp = int(hf.get("num_nextn_predict_layers", 0))
   L = int(need("num_hidden_layers"))
@@ -25,12 +54,16 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
   if isinstance(moe_layers, str):
     moe_layers = [int(x) for x in moe_layers.split(",") if x.strip()]
   elif moe_layers is None:
-    moe_layers = []
+    moe_layers = list(range(1, L))  # the remote code's default
   other = hf.get("attention_other_setting") or {}
+  kv_heads = int(need("num_attention_groups"))
+  top_k, width = int(hf.get("moe_top_k", 4)), int(hf.get("moe_intermediate_size", 10240))
+  max_pos = int(hf.get("max_position_embeddings") or hf.get("max_seq_len") or 262144)
 
   def per_layer(key, default):
     v = hf.get(key, default)
-    return [float(x) for x in v] if isinstance(v, (list, tuple)) else [float(v)] * n_lists
+    v = default if v is None else v
+    return [float(x or 0.0) for x in v] if isinstance(v, (list, tuple)) else [float(v)] * n_lists
 
   scaling = hf.get("rope_scaling")
   if scaling is not None:
@@ -49,8 +82,8 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
     num_mtp_layers=mtp,
     num_heads=int(need("num_attention_heads")),
     num_heads_swa=int(other.get("num_attention_heads", need("num_attention_heads"))),
-    num_kv_heads=int(need("num_attention_groups")),
-    sliding_window=int(hf.get("sliding_window") or 512),
+    num_kv_heads=kv_heads,
+    sliding_window=int(hf.get("sliding_window") or max_pos),  # null: sliding layers see every earlier token
     layer_types=list(hf["layer_types"]),
     rope_theta=per_layer("rope_theta", 10000.0),
     partial_rotary_factors=per_layer("partial_rotary_factors", 1.0),
@@ -58,16 +91,16 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
     rope_scaling_layer_types=list(hf.get("yarn_only_types", [FULL])),
     intermediate_size=int(need("intermediate_size")),
     moe_layers=moe_layers,
-    num_experts=int(hf.get("moe_num_experts", 1)),
-    num_experts_per_tok=int(hf.get("moe_top_k", 1)),
-    moe_intermediate_size=int(hf.get("moe_intermediate_size", 1)),
-    shared_expert_intermediate_size=int(hf.get("share_expert_dim", hf.get("moe_intermediate_size", 1))),
+    num_experts=int(hf.get("moe_num_experts", 16)),
+    num_experts_per_tok=top_k,
+    moe_intermediate_size=width,
+    shared_expert_intermediate_size=int(hf.get("share_expert_dim") or width * top_k),
     routed_scaling_factor=float(hf.get("moe_router_scaling_factor", 1.0)),
     norm_expert_weight=bool(hf.get("norm_expert_weight", True)),
     swiglu_limits=per_layer("swiglu_limits", 0.0),
     swiglu_limits_shared=per_layer("swiglu_limits_shared", 0.0),
     rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-    max_position_embeddings=int(hf.get("max_position_embeddings", hf.get("max_seq_len", 262144))),
+    max_position_embeddings=max_pos,
   )
   c.update({k: v for k, v in (hf.get("stepflash_jax") or {}).items() if k in IMPL_KEYS})
   validate(c)

@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-# Polar Express (Amsel et al. 2025) per-step (a, b, c) (the Step 3.5 Flash report §2 lists rows 1-6): the reference
-# code's list for l = 1e-3, cushion 0.02 (NoahAmsel/PolarExpress polar_express/basic.py, the same list as StepFun's
-# SteptronOss steptronoss/optimizer/_helpers.py); row 7 is 1.875.. up to 2e-6. Steps past the table repeat
-# POLAR_EXPRESS_LATER, the converged quintic.
+# Polar Express (Amsel et al. 2025) per-step (a, b, c): the six rows the Step 3.5 Flash report §2 lists (the first six
+# of the reference code's list for l = 1e-3, cushion 0.02, NoahAmsel/PolarExpress polar_express/basic.py, and of
+# StepFun's SteptronOss steptronoss/optimizer/_helpers.py). Steps past them repeat POLAR_EXPRESS_LATER, the converged
+# quintic, unscaled (the report's "later" row; the reference list's 7th row is that quintic up to 2e-6).
 POLAR_EXPRESS_TABLE = (
   (8.28721201814563, -23.595886519098837, 17.300387312530933),
   (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
@@ -34,7 +34,6 @@ POLAR_EXPRESS_TABLE = (
   (3.3184196573706015, -2.488488024314874, 0.51004894012372),
   (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
   (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
-  (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
 )
 POLAR_EXPRESS_LATER = (1.875, -1.25, 0.375)
 # Which steps the safety factor divides: "reference" (default) every table row, only the repeated LATER entry is

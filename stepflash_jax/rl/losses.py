@@ -64,11 +64,24 @@ def _frac(num, den):
 
 
 # ----------------------------------------------------------------------------- MIS masks
-def mis_mask(logp_old, logp_rollout, mask, token_bounds=(0.5, 2.0), traj_bounds=(0.996, 1.001)):
+RHO_TOKENS = ("all", "kept")  # the tokens rho runs over (rl.rho_tokens; the report's formula: all)
+
+
+def _row_mean(x, sel, n):
+  """Mean of x [B, T] over sel per row (0 for an empty row), summed as offsets from the row's first selected value:
+  a row of equal values gives exactly that value (a plain float32 sum drifts by an ulp or more, which is enough to
+  move a ratio sitting exactly on a bound across it)."""
+  first = jnp.take_along_axis(x, jnp.argmax(sel, -1)[:, None], -1)[:, 0]
+  mean = first + jnp.where(sel, x - first[:, None], 0.0).sum(-1) / jnp.maximum(n, 1.0)
+  return jnp.where(n > 0, mean, 0.0)
+
+
+def mis_mask(logp_old, logp_rollout, mask, token_bounds=(0.5, 2.0), traj_bounds=(0.996, 1.001), rho_tokens="all"):
   """The two importance-sampling filter masks of MIS-PO (docs/rl.md §2).
 
   x_t = pi_old / pi_vllm = exp(logp_old - logp_rollout); rho = exp(mean_t log x_t) over the trajectory's valid
-  tokens (geometric mean of x_t over *all* valid response tokens); keep_t = mask_t * I(x_t) * I(rho) with
+  tokens (geometric mean of x_t over *all* valid response tokens; rho_tokens="kept": over those inside the token
+  bounds only, the report's formula leaving it open); keep_t = mask_t * I(x_t) * I(rho) with
   I(x) = 1[low <= x <= high] (bounds inclusive). A trajectory without valid tokens is filtered. The bound tests
   are done in log space (log x_t against log(low)/log(high) rounded to float32), so a ratio given as exactly
   log(2) / log(0.5) in float32 sits exactly on the bound and is kept.
@@ -82,13 +95,17 @@ def mis_mask(logp_old, logp_rollout, mask, token_bounds=(0.5, 2.0), traj_bounds=
   logp_old, logp_rollout, mask = check_arrays(fn, {"logp_old": logp_old, "logp_rollout": logp_rollout, "mask": mask})
   t_lo, t_hi = _bounds(fn, "token_bounds", token_bounds)
   r_lo, r_hi = _bounds(fn, "traj_bounds", traj_bounds)
+  if rho_tokens not in RHO_TOKENS:
+    raise ValueError(f"{fn}: rho_tokens must be one of {RHO_TOKENS}, got {rho_tokens!r}")
   valid = mask != 0
   log_x = _safe(valid, sg(logp_old) - sg(logp_rollout))
   n_valid = valid.sum(-1).astype(jnp.float32)
   nonempty = n_valid > 0
-  log_rho = log_x.sum(-1) / jnp.maximum(n_valid, 1.0)
   token_ok = valid & (log_x >= math.log(t_lo)) & (log_x <= math.log(t_hi))
-  traj_ok = nonempty & (log_rho >= math.log(r_lo)) & (log_rho <= math.log(r_hi))
+  in_rho = valid if rho_tokens == "all" else token_ok
+  n_rho = in_rho.sum(-1).astype(jnp.float32)
+  log_rho = _row_mean(log_x, in_rho, n_rho)
+  traj_ok = (n_rho > 0) & (log_rho >= math.log(r_lo)) & (log_rho <= math.log(r_hi))
   keep = (token_ok & traj_ok[:, None]).astype(jnp.float32)
   info = dict(
     valid=valid, token_ok=token_ok, traj_ok=traj_ok, nonempty=nonempty, log_rho=log_rho, n_valid=n_valid, log_x=log_x
@@ -125,6 +142,7 @@ def mispo_loss(
   token_bounds=(0.5, 2.0),
   traj_bounds=(0.996, 1.001),
   normalizer="valid",
+  rho_tokens="all",
 ):
   """MIS-PO actor loss (docs/rl.md §3):
 
@@ -133,7 +151,8 @@ def mispo_loss(
 
   No importance weight and no clipping: kept tokens are treated as on-policy, filtered ones contribute zero.
   Default denominator max(#valid tokens, 1) counts filtered tokens too (our reading of the report's expectation
-  over all sampled tokens; the report leaves it open); ``normalizer="kept"`` uses max(#kept, 1).
+  over all sampled tokens; the report leaves it open); ``normalizer="kept"`` uses max(#kept, 1). ``rho_tokens``:
+  the tokens rho averages over, "all" valid ones (default) or those the token filter "kept" (``mis_mask``).
   Gradient: dL/dlogp_{b,t} = -keep_{b,t} * A_{b,t} / denominator.
 
   Args: logp, logp_old, logp_rollout, advantages float32 [B, T]; mask [B, T].
@@ -147,7 +166,7 @@ def mispo_loss(
   logp, logp_old, logp_rollout, advantages, mask = check_arrays(
     fn, {"logp": logp, "logp_old": logp_old, "logp_rollout": logp_rollout, "advantages": advantages, "mask": mask}
   )
-  keep, info = mis_mask(logp_old, logp_rollout, mask, token_bounds, traj_bounds)
+  keep, info = mis_mask(logp_old, logp_rollout, mask, token_bounds, traj_bounds, rho_tokens)
   valid = info["valid"]
   denom = _denominator(fn, normalizer, valid.sum().astype(jnp.float32), keep.sum())
   per_token = keep * _safe(valid, logp) * sg(_safe(valid, advantages))
@@ -203,6 +222,7 @@ def gspo_loss(
   token_bounds=(0.5, 2.0),
   traj_bounds=(0.996, 1.001),
   normalizer="valid",
+  rho_tokens="all",
 ):
   """GSPO extended to actor-critic (baseline in docs/rl.md §4), with the two MIS masks of ``mispo_loss``.
 
@@ -224,7 +244,7 @@ def gspo_loss(
   logp, logp_old, logp_rollout, advantages, mask = check_arrays(
     fn, {"logp": logp, "logp_old": logp_old, "logp_rollout": logp_rollout, "advantages": advantages, "mask": mask}
   )
-  keep, info = mis_mask(logp_old, logp_rollout, mask, token_bounds, traj_bounds)
+  keep, info = mis_mask(logp_old, logp_rollout, mask, token_bounds, traj_bounds, rho_tokens)
   valid, nonempty, n_seq = info["valid"], info["nonempty"], info["n_valid"]
   denom = _denominator(fn, normalizer, valid.sum().astype(jnp.float32), keep.sum())
   adv = sg(_safe(valid, advantages))

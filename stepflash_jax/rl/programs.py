@@ -26,6 +26,13 @@ from stepflash_jax.sampling import sampling_logprobs
 from stepflash_jax.train.step import frozen_mask, guarded_update
 
 
+def mis_args(rcfg) -> dict:
+  """The MIS filter's settings from the rl config: token / trajectory bounds and the tokens rho runs over."""
+  return dict(
+    token_bounds=tuple(rcfg.token_bounds), traj_bounds=tuple(rcfg.traj_bounds), rho_tokens=rcfg.get("rho_tokens", "all")
+  )
+
+
 def objective(rcfg, logp, mb, normalizer=None):
   """The configured actor loss on a mini-batch (all [n, R] float32); rl.normalizer ("valid" | "kept") applies to
   every objective (PPO and TIS filter nothing: for them "kept" = "valid"). normalizer: a number overriding it (a
@@ -33,14 +40,7 @@ def objective(rcfg, logp, mb, normalizer=None):
   o, norm = rcfg.objective, rcfg.normalizer if normalizer is None else normalizer
   if o == "mispo":
     return losses.mispo_loss(
-      logp,
-      mb["logp_old"],
-      mb["logp_rollout"],
-      mb["adv"],
-      mb["mask"],
-      tuple(rcfg.token_bounds),
-      tuple(rcfg.traj_bounds),
-      normalizer=norm,
+      logp, mb["logp_old"], mb["logp_rollout"], mb["adv"], mb["mask"], normalizer=norm, **mis_args(rcfg)
     )
   if o == "ppo":
     return losses.ppo_loss(logp, mb["logp_old"], mb["adv"], mb["mask"], clip_eps=rcfg.ppo_clip, normalizer=norm)
@@ -52,9 +52,8 @@ def objective(rcfg, logp, mb, normalizer=None):
       mb["adv"],
       mb["mask"],
       clip_eps=rcfg.gspo_clip,
-      token_bounds=tuple(rcfg.token_bounds),
-      traj_bounds=tuple(rcfg.traj_bounds),
       normalizer=norm,
+      **mis_args(rcfg),
     )
   return losses.tis_loss(
     logp, mb["logp_old"], mb["logp_rollout"], mb["adv"], mb["mask"], cap=rcfg.tis_cap, normalizer=norm
@@ -65,9 +64,7 @@ def objective_denominator(rcfg, mb):
   """The denominator rl.normalizer gives `objective` on the whole mini-batch mb: max(#valid, 1), or max(#kept, 1)
   for "kept" with the MIS-filtered objectives (the filter reads constants only, so it is known before the pass)."""
   if rcfg.normalizer == "kept" and rcfg.objective in ("mispo", "gspo"):
-    keep, _ = losses.mis_mask(
-      mb["logp_old"], mb["logp_rollout"], mb["mask"], tuple(rcfg.token_bounds), tuple(rcfg.traj_bounds)
-    )
+    keep, _ = losses.mis_mask(mb["logp_old"], mb["logp_rollout"], mb["mask"], **mis_args(rcfg))
     return jnp.maximum(keep.sum(), 1.0)
   return valid_denominator(mb["mask"])
 
@@ -120,9 +117,7 @@ def mismatch_stats(rcfg, mb) -> dict:
   |log rho| over non-empty responses (rho: the geometric mean of x_t), mean |sum_t log x_t| (the log of the whole
   response's ratio prod_t x_t: at equal per-token mismatch it grows with the length, the geometric mean does not),
   MIS token / trajectory / joint keep fractions. All constants of the update."""
-  keep, info = losses.mis_mask(
-    mb["logp_old"], mb["logp_rollout"], mb["mask"], tuple(rcfg.token_bounds), tuple(rcfg.traj_bounds)
-  )
+  keep, info = losses.mis_mask(mb["logp_old"], mb["logp_rollout"], mb["mask"], **mis_args(rcfg))
   n, n_seq = jnp.maximum(info["valid"].sum(), 1), jnp.maximum(info["nonempty"].sum(), 1)
   ad = jnp.abs(info["log_x"])
   return {

@@ -19,6 +19,7 @@ OBJECTIVES = ("mispo", "ppo", "gspo", "tis")
 
 
 REPLAY_MODES = ("off", "always", "auto")  # rl.router_replay (docs/rl.md §8)
+RHO_TOKENS = ("all", "kept")  # rl.rho_tokens: the tokens of rho in rl.losses.mis_mask (docs/rl.md §2)
 
 
 def _mixture(field, spec):
@@ -39,6 +40,25 @@ JOBS = ("pretrain", "sft", "rl", "pipeline")
 
 
 MINIBATCHES = ("actor_minibatches", "critic_minibatches")
+
+
+def resolve_pack(c, num_devices: int) -> str:
+  """Sequence packing (rl.pack, a default of configs/mispo.py) runs a packed batch as one model pass on one device:
+  with rl.micro_batch > 0 or a mesh of several devices it is turned off here (rl.pack = 0). Returns a note saying
+  so, or "" when nothing changed. An invalid mesh is left for validate_run_config to name."""
+  pack = c.get("rl", {}).get("pack", 0.0)
+  if not pack or isinstance(pack, bool):
+    return ""
+  try:
+    sizes = mesh_shape(c.mesh, num_devices)
+  except ValueError:
+    return ""
+  why = [f"rl.micro_batch={c.rl.micro_batch}"] if c.rl.get("micro_batch", 0) else []
+  why += [f"a mesh of {num_devices} devices"] if any(v > 1 for v in sizes.values()) else []
+  if not why:
+    return ""
+  c.rl.pack = 0.0
+  return f"rl.pack {pack} -> 0: a packed batch is one model pass on one device, and this run has {' and '.join(why)}"
 
 
 def validate_run_config(c, num_devices: int | None = None) -> None:
@@ -183,6 +203,8 @@ def _check_rl(c):
     _err("rl.temperature", f"must be > 0, got {r.temperature}")
   if r.get("normalizer", "valid") not in ("valid", "kept"):
     _err("rl.normalizer", f"must be 'valid' or 'kept' (used by every objective), got {r.normalizer!r}")
+  if r.get("rho_tokens", "all") not in RHO_TOKENS:
+    _err("rl.rho_tokens", f"must be one of {RHO_TOKENS} (the tokens MIS-PO's rho averages over), got {r.rho_tokens!r}")
   if r.get("rollout_quantize", "none") not in ("none", *QUANT_FORMATS):
     _err("rl.rollout_quantize", f"must be 'none' or one of {tuple(QUANT_FORMATS)}, got {r.rollout_quantize!r}")
   if r.get("router_replay", "off") not in REPLAY_MODES:
