@@ -32,7 +32,10 @@ def get_config(arg: str = ""):
 
   c.agent = a = ml_collections.ConfigDict()
   a.env = "calculator"  # agents/envs.py: "calculator" (multiply) | "python" (sandboxed code)
-  a.max_turns = 3  # the call and the answer, and room for one more call
+  # model turns per trajectory: the call and the answer, and room for one more call. One field: rl.max_turns (issue
+  # 15's name) and agent.max_turns (the multi-turn engine's, also used by the greedy eval) are the same reference
+  c.rl.max_turns = 3
+  a.max_turns = c.rl.get_ref("max_turns")
   a.turn_tokens = 40  # one call with an 8-digit operand is ~31 tokens
   a.executor = "local"  # "local" threads | "ray"
   a.workers = 4

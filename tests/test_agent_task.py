@@ -107,6 +107,8 @@ def test_agent_config_validation():
 
   c = agent.get_config("small")
   validate_run_config(c)
+  c.rl.max_turns = 2  # issue 15's name for the turn limit; the multi-turn engine reads agent.max_turns
+  assert c.agent.max_turns == 2 and c.copy_and_resolve_references().agent.max_turns == 2
   for field, value, match in (
     ("agent.env", "shell", "agent.env"),
     ("agent.max_turns", 0, "agent.max_turns"),
