@@ -154,7 +154,7 @@ def check_positive_ints(**sizes):
 def check_attention_args(q, k, v, window, segment_ids, **blocks):
   """Sliding-window attention arguments (ops.sliding_window_attention and the Pallas entries).
 
-  The kernels pass their block sizes: they also need positive int blocks and one float dtype for q, k, v.
+  q, k, v share one float dtype (f32 / bf16 / f16); the kernels also pass their block sizes (positive ints).
   """
   if q.ndim != 4:
     raise ValueError(f"q must be [B, T, Hq, D], got shape {q.shape}")
@@ -171,9 +171,9 @@ def check_attention_args(q, k, v, window, segment_ids, **blocks):
     raise ValueError(f"window must be a positive int or None, got {window!r}")
   if segment_ids is not None and tuple(segment_ids.shape) != (b, t):
     raise ValueError(f"segment_ids must be [B, T] = {(b, t)}, got shape {tuple(segment_ids.shape)}")
+  if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+    raise ValueError(f"q, k, v must share one float dtype (f32/bf16/f16), got {q.dtype}, {k.dtype}, {v.dtype}")
   if blocks:
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-      raise ValueError(f"q, k, v must share one float dtype (f32/bf16/f16), got {q.dtype}, {k.dtype}, {v.dtype}")
     check_positive_ints(**blocks)
 
 

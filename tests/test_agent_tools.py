@@ -132,3 +132,14 @@ def test_render_keeps_reasoning_only_for_the_current_instruction():
   assert text.startswith("<|system|>S<|user|>first<|assistant|>" + format_tool_call("lookup", {"key": "a"}))
   with pytest.raises(ValueError, match="messages\\[0\\]"):
     chat.render([{"role": "robot", "content": "x"}])
+
+
+def test_one_unconvertible_value_drops_only_its_call():
+  """A 400-digit number (OverflowError as a float) or JSON nested past the recursion limit is an error for its call;
+  the turn's other calls still count."""
+  huge = format_tool_call("calc", {"x": "9" * 400})
+  deep = format_tool_call("calc", {"opts": "[" * 100_000 + "]" * 100_000})
+  ok = format_tool_call("lookup", {"key": "a", "n": 2})
+  content, calls, errors = parse_tool_calls(huge + "\n" + deep + "\n" + ok, TOOLS)
+  assert [c.name for c in calls] == ["lookup"] and calls[0].arguments == {"key": "a", "n": 2}
+  assert len(errors) == 2 and "OverflowError" in errors[0] and "RecursionError" in errors[1], errors

@@ -152,3 +152,14 @@ def test_pallas_dispatch_matches_reference():
   got = ops.sliding_window_attention(q, k, v, window=16, segment_ids=seg, implementation="pallas")
   ref = ops.sliding_window_attention(q, k, v, window=16, segment_ids=seg, implementation="reference")
   np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla", "pallas"])
+def test_qkv_must_share_one_float_dtype(implementation):
+  q = jnp.zeros((1, 8, 2, 16), jnp.bfloat16)
+  k = v = jnp.zeros((1, 8, 1, 16), jnp.float32)
+  with pytest.raises(ValueError, match="one float dtype"):
+    ops.sliding_window_attention(q, k, v, window=4, implementation=implementation)
+  ints = jnp.zeros((1, 8, 1, 16), jnp.int32)
+  with pytest.raises(ValueError, match="one float dtype"):
+    ops.sliding_window_attention(ints.repeat(2, 2), ints, ints, window=4, implementation=implementation)

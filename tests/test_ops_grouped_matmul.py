@@ -195,3 +195,20 @@ def test_implementation_none_follows_the_measured_winner(monkeypatch, backend, w
     args = (sd((300, 256), jnp.bfloat16), sd((8, 256, 384), jnp.bfloat16), sd((8,), jnp.int32))
     text = jax.jit(ops.grouped_matmul).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
+
+
+def test_bf16_weight_gradient_is_summed_in_fp32():
+  """A group spread over many tiles: its bf16 weight gradient is the fp32 sum over the tiles, rounded once per tile
+  (within ~2x the reference's own bf16 rounding of the float64 value; a bf16 scatter-add drifted ~10x)."""
+  rng = np.random.default_rng(0)
+  lhs = jnp.asarray(rng.standard_normal((1024, 16)), jnp.bfloat16)
+  rhs = jnp.asarray(rng.standard_normal((2, 16, 16)), jnp.bfloat16)
+  ct = jnp.asarray(rng.standard_normal((1024, 16)), jnp.bfloat16)
+  gs = jnp.array([600, 424], jnp.int32)
+  L, C = np.asarray(lhs, np.float64), np.asarray(ct, np.float64)
+  want = np.stack([L[:600].T @ C[:600], L[600:].T @ C[600:]])
+  rounding = np.abs(np.asarray(jnp.asarray(want, jnp.bfloat16), np.float64) - want).max()
+  for tm in (8, None):
+    _, vjp = jax.vjp(lambda r: gmm(lhs, r, gs, implementation="xla", tile_m=tm), rhs)
+    got = np.asarray(vjp(ct)[0], np.float64)
+    assert np.abs(got - want).max() <= 2 * rounding, tm

@@ -76,8 +76,46 @@ def test_writing_outside_its_directory_fails(tmp_path):
   home = os.path.expanduser("~/sfj_sandbox_escape.txt")
   for path in (str(target), home, "../outside.txt"):
     r = sandbox.run_python(f"open({path!r}, 'w').write('x')")
-    assert r.exit_code == 1 and "PermissionError" in r.stderr, (path, r)
+    denied = "PermissionError" in r.stderr or "Read-only file system" in r.stderr  # Landlock, or the ro mounts
+    assert r.exit_code == 1 and denied, (path, r)
   assert not target.exists() and not os.path.exists(home)
+
+
+@pytest.mark.skipif(not CAPS["namespaces"], reason="no user + mount namespace: the mounts cannot be made read-only")
+def test_host_files_keep_their_mode_owner_and_times(tmp_path):
+  """Landlock has no right for chmod / chown / utime / xattr; the sandbox's mounts are read-only instead."""
+  target = tmp_path / "host.txt"
+  target.write_text("x")
+  os.chmod(target, 0o644)
+  before = os.stat(target)
+  code = (
+    f"import os\nfor f in (lambda p: os.chmod(p, 0o4777), lambda p: os.chown(p, 1, 1), lambda p: os.utime(p, (0, 0))):\n"
+    f"  try:\n    f({str(target)!r}); print('changed')\n  except OSError as e:\n    print('denied', e.errno)"
+  )
+  r = sandbox.run_python(code)
+  assert "changed" not in r.stdout and r.stdout.count("denied") == 3, r
+  after = os.stat(target)
+  assert (after.st_mode, after.st_uid, after.st_mtime_ns) == (before.st_mode, before.st_uid, before.st_mtime_ns)
+
+
+@pytest.mark.skipif(not CAPS["landlock"], reason="runs with the sandbox's full confinement only")
+def test_host_unix_sockets_are_unreachable(tmp_path):
+  """A network namespace does not hide Unix sockets on disk; the seccomp filter denies socket(AF_UNIX)."""
+  path = str(tmp_path / "host.sock")
+  server = socket.socket(socket.AF_UNIX)
+  server.bind(path)
+  server.listen()
+  server.settimeout(3.0)
+  accepted = []
+  threading.Thread(target=lambda: accepted.append(_accept(server)), daemon=True).start()
+  code = f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({path!r})\nprint('connected')"
+  r = sandbox.run_python(code, timeout_s=3.0)
+  assert "connected" not in r.stdout and r.exit_code == 1 and "PermissionError" in r.stderr, r
+  time.sleep(0.2)
+  assert accepted in ([], [None])
+  server.close()
+  r = sandbox.run_python("import socket\na, b = socket.socketpair()\na.send(b'x')\nprint(b.recv(1))")  # still fine
+  assert r.stdout.strip() == "b'x'", r
 
 
 @needs_isolation

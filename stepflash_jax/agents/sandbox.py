@@ -40,6 +40,7 @@ UNSHARE = [
   "--user",
   "--map-root-user",
   "--net",
+  "--ipc",  # SysV shared memory, queues, semaphores: private, gone with the run
   "--pid",
   "--fork",
   "--kill-child",
@@ -179,7 +180,7 @@ def run_python(
     work = os.path.join(root, "work")
     os.mkdir(work, 0o700)
     for name, text in (("main.py", code), ("stdin", stdin)):
-      with open(os.path.join(root, name), "w", encoding="utf-8", errors="surrogateescape") as f:
+      with open(os.path.join(root, name), "w", encoding="utf-8", errors="surrogatepass") as f:  # no raise on "\ud800"
         f.write(text)
     nproc = max_processes if caps["namespaces"] else _user_processes() + max_processes
     limits = dict(
@@ -188,6 +189,7 @@ def run_python(
       file_bytes=int(max_output_bytes),
       nproc=int(nproc),
       disk_mb=int(disk_mb) if caps["namespaces"] else 0,
+      mount_ns=bool(caps["namespaces"]),  # confine.py remounts read-only only inside a mount namespace of its own
     )
     argv = [
       sys.executable,

@@ -91,8 +91,8 @@ def _parse_function(name: str, body: str, schemas: dict | None, errors: list) ->
     key, value = m.group(1).strip(), _unframe(m.group(2))
     try:
       args[key] = _convert(value, types.get(key))
-    except (ValueError, TypeError) as e:
-      errors.append(f"function {name!r} parameter {key!r}: {e}")
+    except (ValueError, TypeError, OverflowError, RecursionError) as e:  # e.g. a 400-digit number, deep JSON
+      errors.append(f"function {name!r} parameter {key!r}: {type(e).__name__}: {str(e)[:200]}")
       return None
   rest = _PARAMETER.sub("", body)
   if "<parameter=" in rest:

@@ -98,8 +98,10 @@ def tile_layout(group_sizes, m: int, tile_m: int | None = None):
 def tile_matmul(x, rhs, tile_group):
   """x [W, tm, K] (tile w of group tile_group[w]) @ rhs [G, K, N] -> [W, tm, N]: one batched einsum, fp32
   accumulation, x.dtype out. The rhs gather is plain autodiff (a custom_vjp there breaks shard_map's varying-axis
-  types)."""
-  y = jnp.einsum("wmk,wkn->wmn", x, rhs[tile_group], preferred_element_type=jnp.float32)
+  types) on an fp32 copy of rhs, so a group's weight gradient is summed over its tiles in fp32 (a bf16 scatter-add
+  drifted by hundreds of ulps); the forward values are those of rhs itself."""
+  w = rhs.astype(jnp.float32)[tile_group].astype(rhs.dtype)  # the same values; the gather's gradient sums in fp32
+  y = jnp.einsum("wmk,wkn->wmn", x, w, preferred_element_type=jnp.float32)
   return y.astype(x.dtype)
 
 
