@@ -3,9 +3,9 @@
     python -I confine.py LIMITS_JSON -- PROGRAM ARGS...
 
 Standard library only (it runs under `python -I`, without the project on the path). In order: every mount read-only
-and a size-limited tmpfs on the working directory (when running as root of a fresh mount namespace: no chmod /
-chown / utime / xattr on the host's files), resource limits (CPU seconds,
-address space, file size, processes, open files, no core dumps), `PR_SET_NO_NEW_PRIVS`, then a Landlock ruleset
+and a size-limited tmpfs on the working directory (when running as root of a fresh mount namespace: no chmod,
+chown, utime or xattr on the host's files), resource limits (CPU seconds, address space, file size, processes,
+open files, no core dumps), `PR_SET_NO_NEW_PRIVS`, then a Landlock ruleset
 (Linux >= 5.13): the whole filesystem read-only and executable, the working directory and /dev/null writable, TCP
 bind / connect denied (Landlock ABI >= 4), signals and abstract Unix sockets scoped to the sandbox (ABI >= 6), then a
 seccomp filter that denies socket(AF_UNIX) (the host's Unix sockets on disk) and syscalls of a foreign ABI.
@@ -15,6 +15,7 @@ What is unavailable is skipped and reported on stderr as one `confine:` line; sa
 import ctypes
 import json
 import os
+import platform
 import resource
 import sys
 
@@ -70,8 +71,6 @@ def no_unix_sockets() -> str:
   """A seccomp filter: socket(AF_UNIX, ...) fails with EACCES (a network namespace does not hide the host's Unix
   sockets on disk, and Landlock has no right for connecting to them), and so does every syscall of another ABI
   (i386, x32), which could reach socket() under another number."""
-  import platform
-
   abi = SECCOMP_ABI.get(platform.machine())
   if abi is None:
     return f"unix sockets allowed (no seccomp filter for {platform.machine()})"
