@@ -1,12 +1,13 @@
 """The XML tool-call format (stepflash_jax/agents/tools.py) and conversation rendering (agents/chat.py)."""
 
 import random
+import re
 import string
 
 import pytest
 
 from stepflash_jax.agents import chat
-from stepflash_jax.agents.tools import ToolCall, format_tool_call, format_tool_calls, parse_tool_calls
+from stepflash_jax.agents.tools import ToolCall, _tagged, format_tool_call, format_tool_calls, parse_tool_calls
 
 TOOLS = [
   {
@@ -105,6 +106,32 @@ def test_parser_never_raises_on_random_and_mutated_text():
       assert isinstance(content, str) and all(isinstance(e, str) for e in errors)
       assert all(isinstance(c, ToolCall) and isinstance(c.arguments, dict) for c in calls)
   assert parse_tool_calls(None)[2] and parse_tool_calls(b"<tool_call>")[2]  # not even a str: an error entry
+
+
+def test_tag_scan_matches_the_regex_it_replaces():
+  """`_tagged` finds exactly the matches of `<tag=([^>\\n]*)>(.*?)</tag>` (DOTALL) and removes them as re.sub does,
+  on random strings over the pieces where the two could part (names running into newlines, nested or unclosed tags)."""
+  regex = re.compile(r"<function=([^>\n]*)>(.*?)</function>", re.S)
+  rng = random.Random(2)
+  pieces = ["<function=", "</function>", "</func", "a", ">", "<", "=", "\n", "x"]
+  for _ in range(20000):
+    text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 16)))
+    assert _tagged(text, "function") == ([m.groups() for m in regex.finditer(text)], regex.sub("", text)), text
+
+
+def test_hostile_repetition_parses_to_the_right_errors():
+  """Hundreds of KB of unclosed openers (quadratic for a lazy regex or a rescan per opener) give one error per
+  unclosed <tool_call>, and closed calls among them still count."""
+  n = 20000
+  content, calls, errors = parse_tool_calls("<tool_call>" * n)
+  assert (content, calls, len(errors)) == ("", [], n)
+  _, calls, errors = parse_tool_calls(
+    "<tool_call>\n<function=lookup>\n" + "<parameter=key>" * n + "</function>\n</tool_call>"
+  )
+  assert calls == [] and len(errors) == 1 and "without its </parameter>" in errors[0]
+  closed = format_tool_call("lookup", {"key": "k"})
+  _, calls, errors = parse_tool_calls((closed + "<function=lookup>") * 1000)
+  assert calls == [ToolCall("lookup", {"key": "k"})] * 1000 and errors == []
 
 
 def test_render_keeps_reasoning_only_for_the_current_instruction():

@@ -61,6 +61,34 @@ def test_memory_bomb_is_stopped():
   assert "MemoryError" in r.stderr
 
 
+SPLIT_ALLOCATION = """
+import os, sys, time
+kids = []
+for i in range(4):  # four processes of 40 MB each, each inside its own address-space limit
+  pid = os.fork()
+  if pid == 0:
+    b = b"x" * (40 << 20)
+    print("held", flush=True)
+    time.sleep(1.0)
+    os._exit(0)
+  kids.append(pid)
+sys.exit(sum(os.waitpid(pid, 0)[1] != 0 for pid in kids))
+"""
+
+
+@pytest.mark.skipif(not CAPS["memory_cgroup"], reason="no memory cgroup this process may create: bounded per process")
+def test_memory_is_bounded_per_run_not_per_process():
+  """160 MB over four processes: within memory_mb = 64 each, over the run's 64 (+ 32 of tmpfs) MB: the kernel kills
+  some. With memory_mb = 256 (the run's 256+ MB) all four hold their 40 MB at once."""
+  r = sandbox.run_python(SPLIT_ALLOCATION, memory_mb=64, disk_mb=32, timeout_s=5.0)
+  run_mb = 64 + 32 * CAPS["namespaces"]
+  assert (
+    r.stdout.count("held") < 4 and r.error == f"memory limit of the run ({run_mb} MB over all its processes and files)"
+  ), r
+  r = sandbox.run_python(SPLIT_ALLOCATION, memory_mb=256, disk_mb=32, timeout_s=5.0)
+  assert r.stdout.count("held") == 4 and r.exit_code == 0 and r.error is None, r
+
+
 def test_fork_bomb_is_stopped_and_leaves_no_process():
   code = "import os\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n    pass"
   t = time.monotonic()

@@ -8,8 +8,9 @@ Containment comes from the operating system, never from reading the code:
   * `unshare` (util-linux), where namespaces are allowed: new user (its root has no capability on the host),
     network (no interfaces: no network at all), PID (everything the code starts dies with it) and mount
     namespaces, /proc remounted, a size-limited tmpfs on the working directory;
-  * a pids cgroup per run where this process may create one (as root: the kernel does not apply the process
-    limit to root, even inside a user namespace);
+  * a pids and a memory cgroup per run where this process may create them (as root: the kernel does not apply
+    the process limit to root, even inside a user namespace; the memory cgroup bounds all of a run's processes
+    and its tmpfs together, where the address-space limit bounds each process);
   * resource limits: CPU seconds, address space, file size (which also caps stdout and stderr, written to files),
     process count, open files, no core dumps;
   * Landlock (Linux >= 5.13): every path read-only except the working directory, TCP bind / connect denied
@@ -47,7 +48,12 @@ UNSHARE = [
   "--mount",
   "--mount-proc",
 ]
-PIDS_CGROUPS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")  # cgroup v1 pids hierarchy, cgroup v2 unified
+# per controller: where a run's cgroup may go (the cgroup v1 hierarchy, then the v2 unified one) and its limit
+# files (v1 names, then v2; the first that exists is written)
+CGROUPS = {
+  "pids": (("/sys/fs/cgroup/pids", "/sys/fs/cgroup"), ("pids.max",)),
+  "memory": (("/sys/fs/cgroup/memory", "/sys/fs/cgroup"), ("memory.limit_in_bytes", "memory.max")),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,37 +69,69 @@ class Result:
 
 @functools.cache
 def capabilities() -> dict:
-  """Which containment this machine gives: {"namespaces": bool, "landlock": ABI (0 = none), "pids_cgroup": the
-  directory under which a per-run pids cgroup can be made, or ""}."""
+  """Which containment this machine gives: {"namespaces": bool, "landlock": ABI (0 = none), "pids_cgroup" and
+  "memory_cgroup": the directory under which a per-run cgroup of that controller can be made, or ""}."""
   try:
     ns = subprocess.run(UNSHARE + ["true"], capture_output=True, timeout=10).returncode == 0
   except (OSError, subprocess.SubprocessError):
     ns = False
   probe = "import ctypes; print(ctypes.CDLL(None).syscall(444, None, 0, 1))"
   out = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, timeout=10).stdout
-  return {"namespaces": ns, "landlock": max(0, int(out.strip() or 0)), "pids_cgroup": _pids_cgroup_base()}
+  caps = {"namespaces": ns, "landlock": max(0, int(out.strip() or 0))}
+  return caps | {f"{c}_cgroup": _cgroup_base(c) for c in CGROUPS}
 
 
-def _pids_cgroup_base() -> str:
-  """A cgroup directory with the pids controller where this process may create children (root, usually)."""
-  for base in PIDS_CGROUPS:
+def _cgroup_base(controller: str) -> str:
+  """A cgroup directory with `controller` where this process may create children (root, usually), or ""."""
+  bases, files = CGROUPS[controller]
+  for base in bases:
     try:
       probe = tempfile.mkdtemp(prefix=PREFIX, dir=base)
     except OSError:
       continue
-    ok = os.path.exists(os.path.join(probe, "pids.max"))
+    ok = any(os.path.exists(os.path.join(probe, f)) for f in files)
     os.rmdir(probe)
     if ok:
       return base
   return ""
 
 
-def _pids_cgroup(base: str, limit: int) -> str:
-  """A fresh pids cgroup (pids.max = limit) under `base`."""
-  path = tempfile.mkdtemp(prefix=PREFIX, dir=base)
-  with open(os.path.join(path, "pids.max"), "w") as f:
-    f.write(str(limit))
-  return path
+def _cgroups(caps: dict, limits: dict) -> list[str]:
+  """Fresh per-run cgroups with their limits: {"pids": count, "memory": bytes} (one directory per base: v2 holds
+  both controllers in one). Swap is not allowed past the memory limit where the kernel has the file."""
+  paths = {}
+  for controller, limit in limits.items():
+    base = caps[f"{controller}_cgroup"]
+    if not base:
+      continue
+    path = paths.get(base) or tempfile.mkdtemp(prefix=PREFIX, dir=base)
+    paths[base] = path
+    files = [f for f in CGROUPS[controller][1] if os.path.exists(os.path.join(path, f))][:1]
+    if controller == "memory":  # v1: memory + swap (>= the memory limit, so after it); v2: swap alone
+      files += [f for f in ("memory.memsw.limit_in_bytes",) if os.path.exists(os.path.join(path, f))]
+      _write(path, "memory.swap.max", 0)
+    for f in files:
+      _write(path, f, limit)
+  return list(paths.values())
+
+
+def _write(path: str, name: str, value: int):
+  if os.path.exists(os.path.join(path, name)):
+    with open(os.path.join(path, name), "w") as f:
+      f.write(str(value))
+
+
+def _oom_kills(paths: list[str]) -> int:
+  """Processes the kernel killed at a run's memory cgroup limit (v1 memory.oom_control, v2 memory.events)."""
+  n = 0
+  for path in paths:
+    for name in ("memory.oom_control", "memory.events"):
+      try:
+        with open(os.path.join(path, name)) as f:
+          n += sum(int(line.split()[1]) for line in f if line.startswith("oom_kill "))
+      except OSError:
+        pass
+  return n
 
 
 def _remove_cgroup(path: str):
@@ -141,6 +179,8 @@ def _remove(path: str):
 
 def _diagnose(code: int | None, stderr: str, out_full: bool, err_full: bool, limits: dict) -> str | None:
   """The reason a run stopped, from its exit status and output."""
+  if code != 0 and limits["oom_kills"]:
+    return f"memory limit of the run ({limits['run_memory_mb']} MB over all its processes and files)"
   if code is not None and code < 0:
     sig = -code
     if sig == signal.SIGXCPU or (sig == signal.SIGKILL and limits["cpu_hit"]):
@@ -175,7 +215,7 @@ def run_python(
     if not v > 0:
       raise ValueError(f"{name} must be > 0, got {v!r}")
   caps = capabilities()
-  root, cgroup = tempfile.mkdtemp(prefix=PREFIX), ""
+  root, cgroups = tempfile.mkdtemp(prefix=PREFIX), []
   try:
     work = os.path.join(root, "work")
     os.mkdir(work, 0o700)
@@ -202,9 +242,13 @@ def run_python(
       os.path.join(root, "main.py"),
     ]
     argv = (UNSHARE + argv) if caps["namespaces"] else argv
-    if caps["pids_cgroup"]:  # the kernel does not apply RLIMIT_NPROC to root: a pids cgroup counts for it
-      cgroup = _pids_cgroup(caps["pids_cgroup"], max_processes + 2)  # + unshare and the launcher
-      argv = ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', cgroup] + argv
+    # the kernel does not apply RLIMIT_NPROC to root: a pids cgroup counts for it (+ unshare and the launcher); the
+    # memory cgroup holds the run's processes and its tmpfs's pages (charged to the writer's cgroup)
+    limits["run_memory_mb"] = int(memory_mb) + limits["disk_mb"]
+    cgroups = _cgroups(caps, {"pids": max_processes + 2, "memory": limits["run_memory_mb"] << 20})
+    if cgroups:  # the shell joins them, then becomes the sandbox: everything it starts is counted
+      join = 'for d in "$@"; do [ "$d" = -- ] && break; echo $$ > "$d/cgroup.procs" || exit 125; shift; done'
+      argv = ["/bin/sh", "-c", join + '; shift; exec "$@"', "sh", *cgroups, "--"] + argv
     env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
     t0 = time.monotonic()
     with open(os.path.join(root, "stdin"), "rb") as fin, open(os.path.join(root, "stdout"), "wb") as fout:
@@ -222,14 +266,14 @@ def run_python(
     confinement, _, err = err.partition("\n") if err.startswith("confine: ") else ("", "", err)
     if timed_out and caps["namespaces"]:  # unshare's own complaint when its child is killed
       err = "".join(ln for ln in err.splitlines(True) if not ln.startswith("unshare: "))
-    limits["cpu_hit"] = seconds >= limits["cpu_s"]
+    limits["cpu_hit"], limits["oom_kills"] = seconds >= limits["cpu_s"], _oom_kills(cgroups)
     error = f"wall-clock timeout ({timeout_s} s)" if timed_out else _diagnose(code_, err, out_full, err_full, limits)
     exit_code = None if timed_out or (code_ is not None and code_ < 0) else code_
     return Result(out, err, exit_code, timed_out, error, confinement.removeprefix("confine: "), seconds)
   finally:
     _remove(root)
-    if cgroup:
-      _remove_cgroup(cgroup)
+    for path in cgroups:
+      _remove_cgroup(path)
 
 
 def _user_processes() -> int:

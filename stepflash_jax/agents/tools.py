@@ -26,8 +26,6 @@ import json
 import re
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)</function>", re.S)
-_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.S)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +43,36 @@ def _schemas(tools) -> dict:
     props = (fn.get("parameters") or {}).get("properties") or {}
     out[str(fn.get("name"))] = {k: (v or {}).get("type") if isinstance(v, dict) else None for k, v in props.items()}
   return out
+
+
+def _tagged(text: str, tag: str) -> tuple[list[tuple[str, str]], str]:
+  """The (name, body) pairs of `<tag=NAME>BODY</tag>` in `text`, and the text with them removed.
+
+  The matches of the regex `<tag=([^>\\n]*)>(.*?)</tag>` (DOTALL), found in O(len(text)): the regex is quadratic on
+  hostile input (every unclosed `<tag=` scans to the end), this scan looks at each character a bounded number of
+  times: the name's end and the closing tag are found once and reused while the search moves forward."""
+  opener, closer, n = f"<{tag}=", f"</{tag}>", len(text)
+  pairs, kept, pos = [], [], 0
+  gt = nl = close = -1  # the last `>`, newline and closing tag found (n: none further on)
+  i = text.find(opener)
+  while i >= 0:
+    j = i + len(opener)
+    if gt < j:
+      gt = text.find(">", j) % (n + 1)  # -1 -> n
+    if nl < j:
+      nl = text.find("\n", j) % (n + 1)
+    if nl < gt or gt == n:  # the name runs into a newline or the end: not a tag
+      i = text.find(opener, i + 1)
+      continue
+    if close <= gt:
+      close = text.find(closer, gt + 1)
+    if close < 0:  # no closing tag after this opener, so none after any later one
+      break
+    pairs.append((text[j:gt], text[gt + 1 : close]))
+    kept.append(text[pos:i])
+    pos = close + len(closer)
+    i = text.find(opener, pos)
+  return pairs, "".join(kept) + text[pos:]
 
 
 def _unframe(value: str) -> str:
@@ -87,14 +115,14 @@ def _parse_function(name: str, body: str, schemas: dict | None, errors: list) ->
     return None
   types = (schemas or {}).get(name, {})
   args = {}
-  for m in _PARAMETER.finditer(body):
-    key, value = m.group(1).strip(), _unframe(m.group(2))
+  parameters, rest = _tagged(body, "parameter")
+  for key, value in parameters:
+    key, value = key.strip(), _unframe(value)
     try:
       args[key] = _convert(value, types.get(key))
     except (ValueError, TypeError, OverflowError, RecursionError) as e:  # e.g. a 400-digit number, deep JSON
       errors.append(f"function {name!r} parameter {key!r}: {type(e).__name__}: {str(e)[:200]}")
       return None
-  rest = _PARAMETER.sub("", body)
   if "<parameter=" in rest:
     errors.append(f"function {name!r}: a <parameter=...> without its </parameter>")
     return None
@@ -120,20 +148,21 @@ def _parse(text, tools):
   if start < 0:
     return text, [], []
   content, calls, errors = text[:start].rstrip(), [], []
-  pos = start
+  pos, end = start, -2
   while pos >= 0:
-    end = text.find(CALL_CLOSE, pos)
+    if end != -1 and end < pos:  # the first </tool_call> from pos on (found once: a linear scan on hostile text)
+      end = text.find(CALL_CLOSE, pos)
     nxt = text.find(CALL_OPEN, pos + len(CALL_OPEN))
     if end < 0 or (0 <= nxt < end):
       errors.append(f"a <tool_call> at character {pos} has no </tool_call>")
       pos = nxt
       continue
     block = text[pos + len(CALL_OPEN) : end]
-    functions = list(_FUNCTION.finditer(block))
+    functions, _ = _tagged(block, "function")
     if not functions:
       errors.append(f"the <tool_call> at character {pos} holds no complete <function=...>...</function>")
-    for m in functions:
-      call = _parse_function(m.group(1), m.group(2), schemas, errors)
+    for name, body in functions:
+      call = _parse_function(name, body, schemas, errors)
       if call is not None:
         calls.append(call)
     pos = text.find(CALL_OPEN, end)
