@@ -126,6 +126,33 @@ def test_bf16_inputs(window):
   assert g.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(g.astype(jnp.float32))))
 
 
+def test_bf16_key_value_gradients_are_summed_in_fp32():
+  """Each key sits in up to P + 1 = 33 query chunks' bands (window 256, chunk 8): their gradients are added in fp32,
+  so the bf16 "xla" dk / dv are within 1.3x the bf16 reference's own rounding of the fp32 result (adding the bands in
+  bf16 gave 2.2x)."""
+  x32 = _qkv(1, 300, 4, 2, 16, seed=0)
+  w = jnp.asarray(np.random.default_rng(1).standard_normal((1, 300, 4, 16)), jnp.float32)
+
+  def grads(implementation, dtype):
+    def loss(k, v):
+      o = ops.sliding_window_attention(
+        x32[0].astype(dtype),
+        k.astype(dtype),
+        v.astype(dtype),
+        window=256,
+        implementation=implementation,
+        chunk_size=8 if implementation == "xla" else None,
+      )
+      return jnp.sum(o.astype(jnp.float32) * w)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))(*x32[1:])
+
+  exact = grads("reference", jnp.float32)
+  err = lambda gs: [float(jnp.linalg.norm(g.astype(jnp.float32) - e) / jnp.linalg.norm(e)) for g, e in zip(gs, exact)]
+  for banded_err, rounding in zip(err(grads("xla", jnp.bfloat16)), err(grads("reference", jnp.bfloat16))):
+    assert banded_err <= 1.3 * rounding, (banded_err, rounding)
+
+
 def test_bad_inputs_raise_value_error():
   q, k, v = _qkv(1, 8, 4, 2, 8)
   f = ops.sliding_window_attention
