@@ -193,6 +193,14 @@ def _diagnose(code: int | None, stderr: str, out_full: bool, err_full: bool, lim
   return None
 
 
+def _check_args(code, stdin, **positive):
+  if not isinstance(code, str) or not isinstance(stdin, str):
+    raise ValueError(f"code and stdin must be str, got {type(code).__name__} and {type(stdin).__name__}")
+  for name, v in positive.items():
+    if not v > 0:
+      raise ValueError(f"{name} must be > 0, got {v!r}")
+
+
 def run_python(
   code: str,
   *,
@@ -209,11 +217,7 @@ def run_python(
   stdout and stderr are cut there (and any file the code writes); max_processes: the process limit (inside the
   sandbox's own user namespace where available, else on top of the user's current count); disk_mb: the tmpfs
   size of the working directory (with namespaces)."""
-  if not isinstance(code, str) or not isinstance(stdin, str):
-    raise ValueError(f"code and stdin must be str, got {type(code).__name__} and {type(stdin).__name__}")
-  for name, v in (("timeout_s", timeout_s), ("memory_mb", memory_mb), ("max_output_bytes", max_output_bytes)):
-    if not v > 0:
-      raise ValueError(f"{name} must be > 0, got {v!r}")
+  _check_args(code, stdin, timeout_s=timeout_s, memory_mb=memory_mb, max_output_bytes=max_output_bytes)
   caps = capabilities()
   root, cgroups = tempfile.mkdtemp(prefix=PREFIX), []
   try:

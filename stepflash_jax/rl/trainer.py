@@ -110,6 +110,19 @@ def sft_stage(config, workdir, log):
   return config, tok, ref, acc0, evaluate.heldout_examples(config, tok)
 
 
+def _prompts(config, tok, log):
+  """The RL prompts: batches of rl.prompts_per_step from the config's mixture (or its train file), seed + 1."""
+  examples = jsonl.config_examples(config, tok, "train", log)
+  return prompt_dataset(
+    tok,
+    batch_size=config.rl.prompts_per_step,
+    max_prompt_len=config.data.max_prompt_len,
+    mixture=config.data.mixture,
+    seed=config.seed + 1,
+    examples=examples,
+  )
+
+
 def _run(config, workdir, log, mesh, rules):
   config, tok, ref, acc0, eval_set = sft_stage(config, workdir, log)
   rc = config.rl
@@ -119,16 +132,7 @@ def _run(config, workdir, log, mesh, rules):
   reward = reward_training.reward_for(config, workdir, ref, tok, mesh, rules, log)  # learned ones trained here
   acc0, held_out = evaluator(config, tok, eval_set, ref, acc0)
   state, actor_tx, critic_tx = init_state(config, ref, args, mesh, rules)
-  data = iter(
-    prompt_dataset(
-      tok,
-      batch_size=rc.prompts_per_step,
-      max_prompt_len=P,
-      mixture=config.data.mixture,
-      seed=config.seed + 1,
-      examples=jsonl.config_examples(config, tok, "train", log),
-    )
-  )
+  data = iter(_prompts(config, tok, log))
   rl_dir = os.path.join(workdir, "rl")
   ckpt = Checkpointer(os.path.join(rl_dir, "checkpoints"), max_to_keep=config.train.keep_checkpoints)
   actor_vars = lambda: {"params": state["actor"]["params"], "router": state["actor"]["router"]}

@@ -129,6 +129,21 @@ def _check_reuse(extra, steps, workdir, stage, reuse, field):
     )
 
 
+def _dataset(config, tok, log, pretrain: bool, examples=None):
+  """The stage's batches: raw text (pre-training) or chat documents (SFT) of the config's mixture, or `examples`."""
+  if examples is None and config.train.steps:
+    examples = jsonl.config_examples(config, tok, "train", log, require_response=True)
+  return sft_dataset(
+    tok,
+    batch_size=parallel.local_batch_size(config.data.batch_size),
+    seq_len=config.data.seq_len,
+    mixture=config.data.mixture,
+    seed=config.seed,
+    form="text" if pretrain else "chat",
+    examples=examples,
+  )
+
+
 def _train(config, workdir, log, mesh, rules, examples=None, reuse=None):
   os.makedirs(workdir, exist_ok=True)
   args = model_lib.as_args(config.model)
@@ -136,16 +151,7 @@ def _train(config, workdir, log, mesh, rules, examples=None, reuse=None):
   stage = "pretrain" if config.job == "pretrain" else "sft"  # an RL config's SFT stage has job "rl"
   pretrain = stage == "pretrain"
   tok = tokenizer_for(config)
-  data = sft_dataset(
-    tok,
-    batch_size=parallel.local_batch_size(config.data.batch_size),
-    seq_len=config.data.seq_len,
-    mixture=config.data.mixture,
-    seed=config.seed,
-    form="text" if pretrain else "chat",
-    examples=examples or (jsonl.config_examples(config, tok, "train", log, require_response=True) if t.steps else None),
-  )
-  it = iter(data)
+  it = iter(_dataset(config, tok, log, pretrain, examples))
   lr_fn = lr_schedule(config.optim.lr, t.steps, config.optim.warmup_frac, config.optim.end_lr_frac)
   tx = make_optimizer(config.optim, lr_fn)
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=t.keep_checkpoints)
@@ -194,12 +200,8 @@ def _train(config, workdir, log, mesh, rules, examples=None, reuse=None):
   writer.close()
   ckpt.wait()
   shown = ["routing/confidence", "routing/load_imbalance", "routing/bias_norm"] if pretrain else ["eval/accuracy"]
-  plot_metrics(
-    os.path.join(workdir, f"metrics_{stage}.jsonl"),
-    ["loss", "mtp1_loss", "grad_norm", "lr"] + shown,
-    os.path.join(workdir, f"{stage}.png"),
-    title=stage,
-  )
+  jsonl_path, png_path = (os.path.join(workdir, f) for f in (f"metrics_{stage}.jsonl", f"{stage}.png"))
+  plot_metrics(jsonl_path, ["loss", "mtp1_loss", "grad_norm", "lr"] + shown, png_path, title=stage)
   variables = {"params": state["params"], "router": state["router"]}
   if acc is None and eval_set is not None:  # resumed after the last step: evaluate the restored state
     acc = evaluate.accuracy(config, variables, tok, eval_set)
