@@ -17,23 +17,9 @@ import ml_collections
 from configs import sft as sft_config
 
 
-def get_config(arg: str = ""):
-  small = "small" in sft_config.options(arg)
-  c = sft_config.get_config(arg)
-  c.job = "rl"
-  # A shorter SFT than configs/sft.py (400 steps): ~57% held-out leaves RL room to improve. (200 steps, ~38%, then
-  # 10-12 generations at actor LR 1.5e-4 or 3e-4 gained +7 points by generation 5 and then collapsed below SFT.)
-  c.train.steps = 60 if small else 300
-  c.train.eval_every = c.train.steps  # evaluate once, at the end of SFT
-  c.data.max_prompt_len = 20  # prompts of the default mixture are <= 19 tokens (longer ones: a clear error)
-  # 1344 = 7 x 192 held-out problems: one sd of the accuracy estimate <= sqrt(.25 / 1344) = 1.4 points. The eval
-  # engine is the rollout engine (bf16, batch 192, 48 tokens), so eval reuses the rollout's compiled program.
-  c.eval.num_examples = 32 if small else 1344
-  c.eval.batch_size = 48 if small else 192
-  c.eval.dtype = "bfloat16"
-  c.eval.max_new_tokens = 48
-
-  c.rl = r = ml_collections.ConfigDict()
+def _rl(small: bool):
+  """The RL section: MIS-PO (report §5, docs/rl.md), its rollouts, critic, schedule and logging."""
+  r = ml_collections.ConfigDict()
   r.objective = "mispo"  # "mispo" | "ppo" | "gspo" | "tis"
   r.mixture = ""  # RL prompts and held-out problems: "" = data.mixture (the SFT stage's)
   r.steps = 4 if small else 36  # generations; one epoch over each (~30 s each on 2 cores)
@@ -106,4 +92,24 @@ def get_config(arg: str = ""):
   r.log_every = 1 if small else 5
   r.eval_every = 4 if small else 12
   r.checkpoint_every = 2 if small else 10
+  return r
+
+
+def get_config(arg: str = ""):
+  small = "small" in sft_config.options(arg)
+  c = sft_config.get_config(arg)
+  c.job = "rl"
+  # A shorter SFT than configs/sft.py (400 steps): ~57% held-out leaves RL room to improve. (200 steps, ~38%, then
+  # 10-12 generations at actor LR 1.5e-4 or 3e-4 gained +7 points by generation 5 and then collapsed below SFT.)
+  c.train.steps = 60 if small else 300
+  c.train.eval_every = c.train.steps  # evaluate once, at the end of SFT
+  c.data.max_prompt_len = 20  # prompts of the default mixture are <= 19 tokens (longer ones: a clear error)
+  # 1344 = 7 x 192 held-out problems: one sd of the accuracy estimate <= sqrt(.25 / 1344) = 1.4 points. The eval
+  # engine is the rollout engine (bf16, batch 192, 48 tokens), so eval reuses the rollout's compiled program.
+  c.eval.num_examples = 32 if small else 1344
+  c.eval.batch_size = 48 if small else 192
+  c.eval.dtype = "bfloat16"
+  c.eval.max_new_tokens = 48
+
+  c.rl = _rl(small)
   return c

@@ -24,24 +24,8 @@ from configs import pretrain
 from configs import sft as sft_config
 
 
-def get_config(arg: str = ""):
-  small = "small" in sft_config.options(arg)
-  c = mispo.get_config(arg)
-  c.job = "pipeline"
-  c.pretrain = pretrain.get_config("small" if small else "")
-  c.pretrain.train.steps = 20 if small else 150  # Sigma_k 0.52, load max / mean 1.6 (last 20 steps); ~2 min
-  c.train.steps = 30 if small else 300  # the SFT stage (the main job's)
-  # held-out problems per domain: one sd of the accuracy estimate <= sqrt(.25 / 1024) = 1.6 points (256 gave 3.1:
-  # too coarse to tell a student 3 points below its expert from one level with it)
-  c.eval.num_examples = 16 if small else 1024
-  c.eval.batch_size = 16 if small else 128
-  if not small:
-    # every RL stage of the pipeline samples 16 prompts x 6 = 96 responses per generation, half the main job's 192:
-    # the packed actor / critic mini-batches of 24 / 8 responses take 5 / 2 rows of 4 (P + R) slots instead of 9 /
-    # 3, so a generation costs ~40% less (the experts keep their generation counts; the 60-minute budget)
-    c.rl.update(prompts_per_step=16, samples_per_prompt=6)
-
-  c.pipeline = p = ml_collections.ConfigDict()
+def _domains(small: bool):
+  """The pipeline's task domains: {name: {mixture, weight, agent, metric, overrides}}."""
   # agent: a tool-use domain (multi-turn rollouts and evals with the `agent` section below); overrides: fields of
   # the rl / eval / distill sections for this domain's expert, eval and distillation
   # metric: the domain's column of the summary table, "accuracy" (greedy exact match) or "greedy_gold" (the mean
@@ -86,7 +70,7 @@ def get_config(arg: str = ""):
     # 2 samples of 2048 prompts: the expert's answers are nearly deterministic, as the arithmetic expert's are
     distill=dict(prompts=16 if small else 2048, samples=2, filters=right_answers),
   )
-  p.domains = ml_collections.ConfigDict(
+  return ml_collections.ConfigDict(
     dict(
       # the main job's mixture, split into its two kinds of problem
       # distillation: 2 samples of 6144 prompts (4 of 4096 kept 3045 examples: the expert's right answers are
@@ -104,6 +88,44 @@ def get_config(arg: str = ""):
       preference=preference,
     )
   )
+
+
+def _distill(small: bool):
+  """Self-distillation: how many SFT prompts each expert re-rolls, and the rejection-sampling filters."""
+  d = ml_collections.ConfigDict()
+  # SFT prompts re-rolled per domain expert: the student needs thousands of distinct problems (384 gave ~700
+  # examples in all and a student 40 points below the experts); 2 x 4096 x 4 samples take ~4 minutes
+  d.prompts = 16 if small else 4096
+  d.samples = 4  # responses per prompt at rl.temperature
+  # at most this many distinct accepted responses per prompt: 2 (1 left the countdown student 7 points below its
+  # expert on ~2700 examples; the second response adds ~1300 countdown and ~50 arithmetic examples, README)
+  d.keep = 2
+  # in order; the first that rejects a response counts it (small: the few-step experts are never right, so "correct"
+  # is left out to keep data for the student)
+  d.filters = ("mixed_script", "length") if small else ("correct", "mixed_script", "length")
+  d.length_budget = 1.5  # "length": at most 1.5x the shortest correct response's tokens (over-long thinking)
+  return d
+
+
+def get_config(arg: str = ""):
+  small = "small" in sft_config.options(arg)
+  c = mispo.get_config(arg)
+  c.job = "pipeline"
+  c.pretrain = pretrain.get_config("small" if small else "")
+  c.pretrain.train.steps = 20 if small else 150  # Sigma_k 0.52, load max / mean 1.6 (last 20 steps); ~2 min
+  c.train.steps = 30 if small else 300  # the SFT stage (the main job's)
+  # held-out problems per domain: one sd of the accuracy estimate <= sqrt(.25 / 1024) = 1.6 points (256 gave 3.1:
+  # too coarse to tell a student 3 points below its expert from one level with it)
+  c.eval.num_examples = 16 if small else 1024
+  c.eval.batch_size = 16 if small else 128
+  if not small:
+    # every RL stage of the pipeline samples 16 prompts x 6 = 96 responses per generation, half the main job's 192:
+    # the packed actor / critic mini-batches of 24 / 8 responses take 5 / 2 rows of 4 (P + R) slots instead of 9 /
+    # 3, so a generation costs ~40% less (the experts keep their generation counts; the 60-minute budget)
+    c.rl.update(prompts_per_step=16, samples_per_prompt=6)
+
+  c.pipeline = p = ml_collections.ConfigDict()
+  p.domains = _domains(small)
   if small:  # countdown runs the arithmetic domain's code path: the test-suite size keeps one single-turn domain
     del p.domains["countdown"]
     # the tool domain's budget and LR for every RL stage (the preference domain's budget too): the experts and the
@@ -157,16 +179,5 @@ def get_config(arg: str = ""):
   # was 0.69 at step 100 and 0.66-0.70 from there on; the ninth run's GenRM reached held-out 0.853 at 120 (README)
   c.reward_model.steps = 20 if small else 120
 
-  c.distill = d = ml_collections.ConfigDict()
-  # SFT prompts re-rolled per domain expert: the student needs thousands of distinct problems (384 gave ~700
-  # examples in all and a student 40 points below the experts); 2 x 4096 x 4 samples take ~4 minutes
-  d.prompts = 16 if small else 4096
-  d.samples = 4  # responses per prompt at rl.temperature
-  # at most this many distinct accepted responses per prompt: 2 (1 left the countdown student 7 points below its
-  # expert on ~2700 examples; the second response adds ~1300 countdown and ~50 arithmetic examples, README)
-  d.keep = 2
-  # in order; the first that rejects a response counts it (small: the few-step experts are never right, so "correct"
-  # is left out to keep data for the student)
-  d.filters = ("mixed_script", "length") if small else ("correct", "mixed_script", "length")
-  d.length_budget = 1.5  # "length": at most 1.5x the shortest correct response's tokens (over-long thinking)
+  c.distill = _distill(small)
   return c
