@@ -211,7 +211,7 @@ def sweep(t, window, heads, d, moe, attn_blocks, gmm_tiles, interpret, iters):
 
 
 # ----------------------------------------------------------------------------------------------- main
-def main(argv=None):
+def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--small", action="store_true", help="tiny shapes (interpret mode on CPU) to test the script")
   p.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 16384, 32768])
@@ -221,7 +221,11 @@ def main(argv=None):
   p.add_argument("--budget_s", type=float, default=150.0, help="time no new configuration after this")
   p.add_argument("--sweep", action="store_true", help="then time other attention blocks (T=16K) / gmm tiles")
   p.add_argument("--out", default=None, help="write results JSON here")
-  args = p.parse_args(argv)
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
 
   on_gpu = gpu.has_gpu()
   if not on_gpu and not args.small:
