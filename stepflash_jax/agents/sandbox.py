@@ -48,11 +48,14 @@ UNSHARE = [
   "--mount",
   "--mount-proc",
 ]
-# per controller: where a run's cgroup may go (the cgroup v1 hierarchy, then the v2 unified one) and its limit
-# files (v1 names, then v2; the first that exists is written)
+# per controller: where a run's cgroup may go (the cgroup v1 hierarchy, then the v2 unified one) and the files its
+# limit is written to where they exist (v1 memory, then memory + swap, which must stay >= it; v2 memory)
 CGROUPS = {
   "pids": (("/sys/fs/cgroup/pids", "/sys/fs/cgroup"), ("pids.max",)),
-  "memory": (("/sys/fs/cgroup/memory", "/sys/fs/cgroup"), ("memory.limit_in_bytes", "memory.max")),
+  "memory": (
+    ("/sys/fs/cgroup/memory", "/sys/fs/cgroup"),
+    ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes", "memory.max"),
+  ),
 }
 
 
@@ -106,12 +109,10 @@ def _cgroups(caps: dict, limits: dict) -> list[str]:
       continue
     path = paths.get(base) or tempfile.mkdtemp(prefix=PREFIX, dir=base)
     paths[base] = path
-    files = [f for f in CGROUPS[controller][1] if os.path.exists(os.path.join(path, f))][:1]
-    if controller == "memory":  # v1: memory + swap (>= the memory limit, so after it); v2: swap alone
-      files += [f for f in ("memory.memsw.limit_in_bytes",) if os.path.exists(os.path.join(path, f))]
+    for name in CGROUPS[controller][1]:
+      _write(path, name, limit)
+    if controller == "memory":  # v2 counts swap apart: none
       _write(path, "memory.swap.max", 0)
-    for f in files:
-      _write(path, f, limit)
   return list(paths.values())
 
 
