@@ -2,16 +2,15 @@
 per domain -> self-distillation by rejection sampling -> student SFT from the pre-training checkpoint -> student RL
 on all domains, with a per-domain accuracy table (<workdir>/summary.md).
 
-  python experiments/run.py --config=configs/pipeline.py          # runs/pipeline: 35 min (2026-12-05)
+  python experiments/run.py --config=configs/pipeline.py          # runs/pipeline: 24 min (2026-12-06)
   python experiments/run.py --config=configs/pipeline.py:small    # test-suite size: 3 min 52 s cold (2026-12-05)
-The full run took 35 min 29 s (64.0 CPU-minutes) from scratch on a 2-core AMD EPYC VM, alone with a fresh XLA cache,
-and met every accuracy target (README, fourteenth run: the domains' chains in two processes, the experts' programs
-compiled during SFT; the same VM's ninth run was 1.5x slower); a 2-core Intel Xeon VM took 37 min 21 s (67.9
-CPU-minutes) and left the student's countdown 3.2 points below its expert (README, fifteenth run); the small one ran
-alone with a fresh cache (its chains in two processes too). The domains are arithmetic, countdown, tool use
+The full run took 23 min 42 s (43.4 CPU-minutes) from scratch on a 2-core AMD EPYC VM, alone with a fresh XLA cache,
+and met every accuracy target (README, sixteenth run: the tiny model cut to 6 layers, the domains' chains in two
+processes, the experts' programs compiled during SFT); killed with -9 in the middle and rerun, it gave the same table.
+With the 10-layer model it took 35-37 minutes (README, fourteenth and fifteenth runs). The small one ran alone with a
+fresh cache (4 layers, its chains in two processes too). The domains are arithmetic, countdown, tool use
 (multi-turn, with the calculator tool) and preference (a learned judge's reward, scored by its hidden gold score).
-The measured tables, stage times and what falls short: README, "The post-training pipeline" (fifteenth to ninth
-runs).
+The measured tables, stage times and what falls short: README, "The post-training pipeline".
 Rerunning the same command resumes at the first unfinished stage; --config.pipeline.dirs.sft=DIR (or any stage)
 reuses an existing run.
 """
