@@ -68,7 +68,7 @@ def _band_kv_fwd(x, n, c, p):
 def _band_kv_bwd(n, c, p, _, g):
   g = g.reshape(g.shape[0], n, p + 1, c, *g.shape[3:])
   dx = jnp.zeros((g.shape[0], n + p, c, *g.shape[4:]), jnp.float32)
-  for o in range(p + 1):  # band i's rows o * c ... hold chunk i - p + o
+  for o in range(p + 1):  # rows o * c .. (o + 1) * c - 1 of band i are chunk i + o of the padded sequence
     dx = dx.at[:, o : o + n].add(g[:, :, o].astype(jnp.float32))
   return (dx.reshape(g.shape[0], (n + p) * c, *g.shape[4:]).astype(g.dtype),)
 
