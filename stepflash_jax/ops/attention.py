@@ -20,8 +20,6 @@ Implementations (``implementation=``):
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,28 +52,6 @@ def _band(x, n, c, p):
   return jnp.concatenate([xs[:, o : o + n] for o in range(p + 1)], axis=2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _band_kv(x, n, c, p):
-  """_band for keys / values: the same forward; the backward adds the p + 1 overlapping bands' gradients in fp32
-  (autodiff of _band adds them in x's dtype: p + 1 roundings in bf16) and rounds once."""
-  return _band(x, n, c, p)
-
-
-def _band_kv_fwd(x, n, c, p):
-  return _band(x, n, c, p), None
-
-
-def _band_kv_bwd(n, c, p, _, g):
-  g = g.reshape(g.shape[0], n, p + 1, c, *g.shape[3:])
-  dx = jnp.zeros((g.shape[0], n + p, c, *g.shape[4:]), jnp.float32)
-  for o in range(p + 1):  # rows o * c .. (o + 1) * c - 1 of band i are chunk i + o of the padded sequence
-    dx = dx.at[:, o : o + n].add(g[:, :, o].astype(jnp.float32))
-  return (dx.reshape(g.shape[0], (n + p) * c, *g.shape[4:]).astype(g.dtype),)
-
-
-_band_kv.defvjp(_band_kv_fwd, _band_kv_bwd)
-
-
 def banded_attention(q, k, v, *, window, segment_ids=None, scale=None, chunk_size=None):
   """Chunked sliding-window attention, cost O(T * (window + C)). Shapes as in the module docstring."""
   b, t, hq, d = q.shape
@@ -92,9 +68,10 @@ def banded_attention(q, k, v, *, window, segment_ids=None, scale=None, chunk_siz
   pad_q = [(0, 0), (0, tp - t), (0, 0), (0, 0)]
   pad_k = [(0, 0), (p * c, tp - t), (0, 0), (0, 0)]
   qc = jnp.pad(q, pad_q).reshape(b, n, c, hkv, g, d)
-  band = _band if k.dtype == jnp.float32 else _band_kv  # fp32: autodiff's sum is already fp32 (and bit-stable)
-  kb = band(jnp.pad(k, pad_k), n, c, p)  # [B, n, L, Hkv, D], L = (p + 1) * c
-  vb = band(jnp.pad(v, pad_k), n, c, p)
+  # Bands gathered from fp32 copies of K and V (the same values): a key sits in up to p + 1 bands, and autodiff then
+  # adds their gradients in fp32 and rounds once (as grouped_matmul.tile_matmul does for its weights)
+  band = lambda x: _band(jnp.pad(x.astype(jnp.float32), pad_k), n, c, p).astype(x.dtype)
+  kb, vb = band(k), band(v)  # [B, n, L, Hkv, D], L = (p + 1) * c
 
   # Band mask from absolute positions: query n_i * c + r, key (n_i - p) * c + l; the front padding has negative
   # positions (empty keys), the back padding keys > T - 1 are in every real query's future.
