@@ -48,6 +48,7 @@ def get_config(arg: str = ""):
   r.prompts_per_step = 8 if small else 12  # 96 trajectories: divisible by 4 actor and 12 critic mini-batches
   r.samples_per_prompt = 6 if small else 8  # report: 128 tool-use prompts x 8 responses
   r.max_new_tokens = 96
+  r.oversample = 1  # every sampled prompt (multi-turn rollouts are the costly part; README's figures)
   # one decision token per trajectory (call or estimate) carries the signal: 3e-5 moved it by 4 points in 16
   # generations, 2e-4 learnt it by generation 10 and then drifted (KL 0.1, 3-digit accuracy 0.74 -> 0.57)
   r.actor_lr = 1e-4

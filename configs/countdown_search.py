@@ -23,4 +23,5 @@ def get_config(arg: str = ""):
   # the longest demonstration (3 misses) is ~90 tokens at difficulty 3; the one-try format needs <= 25
   c.eval.max_new_tokens = c.rl.max_new_tokens = 96
   c.rl.steps = 4 if small else 12  # a third of the main job's generations, all of them on countdown
+  c.rl.oversample = 1  # every sampled prompt, as README's countdown figures were measured
   return c

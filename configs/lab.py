@@ -61,6 +61,7 @@ def get_config(arg: str = ""):
   r.steps = 2 if small else 14  # generations per variant
   r.prompts_per_step = 3 if small else 6
   r.samples_per_prompt = 4
+  r.oversample = 1  # the report's sampling: every sampled prompt is trained on
   r.actor_minibatches = 2 if small else 4
   r.critic_minibatches = 4 if small else 12
   r.eval_every = r.steps  # held-out accuracy once, after the last generation

@@ -32,6 +32,7 @@ def get_config(arg: str = ""):
   r = c.rl
   r.mixture = "long"  # 3-digit x 3-digit problems only: correct responses need 200-220 tokens
   r.max_new_tokens = 256
+  r.oversample = 1  # every sampled prompt: the 256-token rollouts are most of a generation here
   r.steps = 2 if small else 16
   r.prompts_per_step = 4 if small else 8
   r.samples_per_prompt = 4 if small else 8  # 64 responses x ~210 tokens per generation

@@ -56,5 +56,6 @@ def get_config(arg: str = ""):
   r.reward_filters = ("format", "mixed_script")  # zero-reward filters (rl/rewards.py)
   r.steps = 4 if small else 16
   r.max_new_tokens = 72  # the longest demonstration (5 addends, 3 re-checks) is 64 tokens + eos
+  r.oversample = 1  # every sampled prompt: each response is scored by a GenRM call
   r.eval_every = 4
   return c

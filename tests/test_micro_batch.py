@@ -89,3 +89,8 @@ def test_rl_batching_fields_are_validated(setup):
     cfg.rl.rollout_slots = bad
     with pytest.raises(ValueError, match=rf"rl.rollout_slots.*\[0, {n}\]"):
       validate_run_config(cfg)
+  cfg.rl.rollout_slots = 0
+  for bad in (0, -2):  # (a float or bool is a type error of the ConfigDict)
+    cfg.rl.oversample = bad
+    with pytest.raises(ValueError, match=r"rl.oversample.*integer >= 1"):
+      validate_run_config(cfg)

@@ -48,6 +48,29 @@ def test_sequences_positions_and_segments(setup):
   np.testing.assert_array_equal(b["segment_ids"][0], [0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0])
 
 
+def test_dynamic_sampling_keeps_the_groups_whose_rewards_vary_most():
+  """informative_rows: groups of consecutive rows ranked by their rewards' variance (p(1 - p) for 0/1 rewards),
+  ties at random, kept in order; take_rows picks those rows from every per-row leaf of a nested dict."""
+  reward = np.array([1, 1, 1, 0, 1, 0, 0, 0, 0, 1, 0, 1, 0.2, 0.8, 0.5], np.float32)  # 5 groups of 3
+  # variances: 0, 2/9, 0, 2/9, 0.06: groups 1 and 3 first, then 4, then 0 or 2 at random
+  rng = lambda s: np.random.default_rng(s)
+  np.testing.assert_array_equal(batches.informative_rows(reward, 3, 2, rng(0)), [3, 4, 5, 9, 10, 11])
+  np.testing.assert_array_equal(batches.informative_rows(reward, 3, 3, rng(0)), [3, 4, 5, 9, 10, 11, 12, 13, 14])
+  fourth = {tuple(batches.informative_rows(reward, 3, 4, rng(s))[:3]) for s in range(40)}
+  assert fourth == {(0, 1, 2), (3, 4, 5)}  # group 0 or group 2 (then group 1 comes first), each at random
+  np.testing.assert_array_equal(
+    batches.informative_rows(reward, 3, 4, rng(7)), batches.informative_rows(reward, 3, 4, rng(7))
+  )
+  with pytest.raises(ValueError, match=r"keep must be in \[1, 5\]"):
+    batches.informative_rows(reward, 3, 6, rng(0))
+  tree = {"a": np.arange(15)[:, None] * [1, 1], "ex": list("abcdefghijklmno"), "s": 0.5, "d": {"b": np.arange(15.0)}}
+  tree["other"] = np.zeros(4)
+  got = batches.take_rows(tree, np.array([3, 4, 5]), 15)
+  np.testing.assert_array_equal(got["a"], [[3, 3], [4, 4], [5, 5]])
+  assert got["ex"] == ["d", "e", "f"] and got["s"] == 0.5 and got["other"].shape == (4,)
+  np.testing.assert_array_equal(got["d"]["b"], [3.0, 4.0, 5.0])
+
+
 def test_critic_values_are_aligned_with_states(setup):
   """values[:, t] = V(s_t) = critic output at the column of the token before response token t."""
   cfg, args, v, prompts, gen, P, R = setup
@@ -351,6 +374,7 @@ def _rl_cmd(workdir, steps, sft_workdir="", overlap=False):
     "--config.rl.rollout_slots=2",  # continuous batching: 2 rows serve the 4 responses (static: notebooks 02, 04)
     "--config.rl.micro_batch=1",  # every pass in micro-batches of one row
     "--config.rl.pack=0",  # (packing runs whole batches: tests/test_packing.py)
+    "--config.rl.oversample=2",  # 4 prompts sampled, the 2 whose rewards vary most trained on
     "--config.rl.max_staleness=1",  # generation j sampled by the actor of j - 1 ...
     f"--config.rl.async={overlap}",  # ... in the background while j - 1 trains, or in turn
     "--config.rl.checkpoint_every=2",
@@ -411,7 +435,8 @@ def test_rl_resume_equals_uninterrupted(tmp_path):
   assert sorted(ra) == sorted(rb) == [1, 2, 3, 4]
   for s in ra:
     assert ra[s]["staleness"] == rb[s]["staleness"] == min(s - 1, 1)
-    for k in ("reward", "actor_loss", "actor_grad_norm", "critic_loss", "kl", "entropy", "value_mean", "kept_frac"):
+    keys = ("reward", "actor_loss", "actor_grad_norm", "critic_loss", "kl", "entropy", "value_mean", "kept_frac")
+    for k in (*keys, "sampled_reward", "sampled_informative"):
       assert ra[s][k] == rb[s][k], (s, k, ra[s][k], rb[s][k])
     assert "gold" not in ra[s]  # rule-checked tasks have no hidden gold score
     assert ra[s]["reward_zeroed/empty"] == rb[s]["reward_zeroed/empty"] and 0 <= ra[s]["reward_zeroed/empty"] <= 1

@@ -1,5 +1,5 @@
-"""Host-side batches of a generation: prompts repeated per sample, full training sequences from the rollout engine's
-output, and the shuffled mini-batches of the update epoch."""
+"""Host-side batches of a generation: prompts repeated per sample, the prompts kept by dynamic sampling, full training
+sequences from the rollout engine's output, and the shuffled mini-batches of the update epoch."""
 
 from __future__ import annotations
 
@@ -44,3 +44,28 @@ def minibatches(batch, n, rng, mesh, rules, pack: float = 0.0):
   for idx in np.array_split(perm, n):
     mb = packing.add({k: v[idx] for k, v in batch.items()}, pack)
     yield parallel.shard_batch(mb, mesh, rules, global_batch=True)
+
+
+def informative_rows(reward, samples: int, keep: int, rng) -> np.ndarray:
+  """Dynamic sampling (docs/rl.md §1, step 0): rewards [G * samples] of G prompts' groups (consecutive rows) ->
+  the row indices of the `keep` groups whose rewards vary most (population variance; for 0/1 rewards p(1 - p)),
+  ties broken at random by the NumPy Generator `rng`, in their original order."""
+  r = np.asarray(reward, np.float64).reshape(-1, samples)
+  if not 0 < keep <= len(r):
+    raise ValueError(f"keep must be in [1, {len(r)}] (the groups sampled), got {keep}")
+  spread = r.var(1)
+  order = np.lexsort((rng.random(len(r)), -spread))  # largest variance first; random among equal ones
+  groups = np.sort(order[:keep])
+  return (groups[:, None] * samples + np.arange(samples)).ravel()
+
+
+def take_rows(tree, rows, n: int):
+  """The rows `rows` of every array (or list) with `n` rows in a nested dict; other leaves (scalars, per-generation
+  statistics) unchanged."""
+  if isinstance(tree, dict):
+    return {k: take_rows(v, rows, n) for k, v in tree.items()}
+  if isinstance(tree, list):
+    return [tree[i] for i in rows] if len(tree) == n else tree
+  if getattr(tree, "ndim", 0) >= 1 and tree.shape[0] == n:
+    return np.asarray(tree)[rows]
+  return tree

@@ -4,7 +4,9 @@ One generation:
   1. the rollout engine (its own numerics, bf16 by default) samples `samples_per_prompt` responses per prompt and
      records logp_rollout = log pi_vllm(a_t | s_t); the sampling actor is rl.max_staleness generations old, and
      with rl.async its rollout runs in a background thread while the previous generation trains (rollouts.py);
-  2. rule rewards; truncated responses get V(s_T) (truncation-aware bootstrapping) or 0 / the task reward;
+  2. rule rewards; truncated responses get V(s_T) (truncation-aware bootstrapping) or 0 / the task reward; with
+     rl.oversample = m > 1 the rollout had m x prompts_per_step prompts and the prompts_per_step whose rewards
+     vary most go on (dynamic sampling);
   3. the training engine (fp32) recomputes logp_old with the pre-update actor, logp_ref with the frozen SFT
      params (unbiased KL) and V(s_t) with the critic (three independent programs, run side by side); GAE
      (gamma = lambda = 1: A_t = R - V(s_t));
@@ -34,7 +36,7 @@ from stepflash_jax.agents.rollout import Agent, tool_metrics
 from stepflash_jax import hf
 from stepflash_jax.data import jsonl, prompt_dataset
 from stepflash_jax.files import atomic_write
-from stepflash_jax.rl.batches import minibatches, repeat_prompts, sequences
+from stepflash_jax.rl.batches import informative_rows, minibatches, repeat_prompts, sequences, take_rows
 from stepflash_jax.rl.critic import critic_from_actor
 from stepflash_jax.rl.programs import Programs, kl_coef_at
 from stepflash_jax.rl import packing, reward_training
@@ -111,11 +113,12 @@ def sft_stage(config, workdir, log):
 
 
 def _prompts(config, tok, log):
-  """The RL prompts: batches of rl.prompts_per_step from the config's mixture (or its train file), seed + 1."""
+  """The RL prompts: batches of rl.prompts_per_step x rl.oversample from the config's mixture (or its train file),
+  seed + 1."""
   examples = jsonl.config_examples(config, tok, "train", log)
   return prompt_dataset(
     tok,
-    batch_size=config.rl.prompts_per_step,
+    batch_size=config.rl.prompts_per_step * config.rl.get("oversample", 1),
     max_prompt_len=config.data.max_prompt_len,
     mixture=config.data.mixture,
     seed=config.seed + 1,
@@ -252,6 +255,18 @@ def train_generation(ctx, state, step, prompts, gen, clock):
   """Steps 2-4 of one generation on its rollout: rewards, scoring, advantages, the update epoch.
   Returns (state, the generation's metrics)."""
   rc, fns = ctx.config.rl, ctx.fns
+  texts = [ctx.tok.decode(r, stop_at_eos=True) for r in np.asarray(gen["response"])]
+  filters = tuple(rc.get("reward_filters", ()))
+  scored = score_batch(ctx.reward, prompts["examples"], texts, np.asarray(gen["truncated"]), filters=filters)
+  clock.stop("reward")
+  rng = generation_rng(ctx.config.seed, step)[1]
+  sampled = {}
+  if rc.get("oversample", 1) > 1:  # dynamic sampling: train on the prompts whose rewards vary most
+    reward, n = scored["reward"], len(texts)
+    groups = np.asarray(reward, np.float64).reshape(-1, rc.samples_per_prompt)
+    sampled = {"sampled_reward": float(groups.mean()), "sampled_informative": float(np.mean(groups.var(1) > 0))}
+    rows = informative_rows(reward, rc.samples_per_prompt, rc.prompts_per_step, rng)
+    prompts, gen, scored = (take_rows(x, rows, n) for x in (prompts, gen, scored))
   batch = sequences(prompts, gen)
   if step == ctx.start:
     compile_programs(fns, state, batch, rc, ctx.mesh, ctx.rules)
@@ -260,16 +275,11 @@ def train_generation(ctx, state, step, prompts, gen, clock):
   replay = rc.router_replay == "always" or (
     rc.router_replay == "auto" and float(gen["routing_confidence"]) < rc.replay_threshold
   )
-  texts = [ctx.tok.decode(r, stop_at_eos=True) for r in batch["response"]]
-  filters = tuple(rc.get("reward_filters", ()))
-  scored = score_batch(ctx.reward, prompts["examples"], texts, np.asarray(gen["truncated"]), filters=filters)
-  clock.stop("reward")
   scores = score_generation(fns, state, ctx.ref, batch, scored, rc, ctx.mesh, ctx.rules, replay)
   clock.stop("score")
-  rng = generation_rng(ctx.config.seed, step)[1]
   state, am, cm = update(fns, state, batch, rc, step, rng, ctx.mesh, ctx.rules, replay)
   clock.stop("update")
-  metrics = generation_metrics(batch, gen, scored, scores, am, cm)
+  metrics = {**generation_metrics(batch, gen, scored, scores, am, cm), **sampled}
   metrics["router_replay"] = float(replay)
   if "turns" in gen:  # multi-turn tool use
     metrics.update(tool_metrics(gen))

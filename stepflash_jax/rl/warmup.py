@@ -18,7 +18,7 @@ from stepflash_jax import model as model_lib
 from stepflash_jax.data import prompt_dataset
 from stepflash_jax.data.hf_tokenizer import tokenizer_for
 from stepflash_jax.rl import trainer
-from stepflash_jax.rl.batches import repeat_prompts, sequences
+from stepflash_jax.rl.batches import repeat_prompts, sequences, take_rows
 from stepflash_jax.rl.programs import Programs
 from stepflash_jax.train import state as state_lib
 from stepflash_jax.train.step import frozen_mask
@@ -33,13 +33,16 @@ def compile_rl(config) -> None:
     args, tok, P = model_lib.as_args(config.model), tokenizer_for(config), config.data.max_prompt_len
     ref = state_lib.init_variables(args, jax.random.key(0), mesh, rules)
     state, actor_tx, critic_tx = trainer.init_state(config, ref, args, mesh, rules)
-    data = prompt_dataset(tok, batch_size=rc.prompts_per_step, max_prompt_len=P, mixture=config.data.mixture)
+    sampled = rc.prompts_per_step * rc.get("oversample", 1)  # the rollout's prompts; prompts_per_step train
+    data = prompt_dataset(tok, batch_size=sampled, max_prompt_len=P, mixture=config.data.mixture)
     prompts = repeat_prompts(next(iter(data)), rc.samples_per_prompt)
     sample, close = trainer.sampler(config, tok, mesh, rules)
     try:
       gen = sample(ref, prompts, 0)
     finally:
       close()
+    rows, n = np.arange(rc.prompts_per_step * rc.samples_per_prompt), len(prompts["examples"])
+    prompts, gen = take_rows(prompts, rows, n), take_rows(gen, rows, n)
     gen["response_mask"] = np.zeros_like(np.asarray(gen["response_mask"]))
     gen["response_mask"][:, 0] = 1.0
     gen["response_valid"] = gen["response_mask"]
