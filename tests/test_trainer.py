@@ -49,20 +49,21 @@ def test_sequences_positions_and_segments(setup):
 
 
 def test_dynamic_sampling_keeps_the_groups_whose_rewards_vary_most():
-  """informative_rows: groups of consecutive rows ranked by their rewards' variance (p(1 - p) for 0/1 rewards),
+  """informative_rows: groups of consecutive rows ranked by their rewards' variance (reward_spread: p(1 - p) for 0/1),
   ties at random, kept in order; take_rows picks those rows from every per-row leaf of a nested dict."""
   reward = np.array([1, 1, 1, 0, 1, 0, 0, 0, 0, 1, 0, 1, 0.2, 0.8, 0.5], np.float32)  # 5 groups of 3
-  # variances: 0, 2/9, 0, 2/9, 0.06: groups 1 and 3 first, then 4, then 0 or 2 at random
+  spread = batches.reward_spread(reward, 3)
+  np.testing.assert_allclose(spread, [0, 2 / 9, 0, 2 / 9, 0.06], atol=1e-7)  # groups 1 and 3, 4, then 0 or 2
   rng = lambda s: np.random.default_rng(s)
-  np.testing.assert_array_equal(batches.informative_rows(reward, 3, 2, rng(0)), [3, 4, 5, 9, 10, 11])
-  np.testing.assert_array_equal(batches.informative_rows(reward, 3, 3, rng(0)), [3, 4, 5, 9, 10, 11, 12, 13, 14])
-  fourth = {tuple(batches.informative_rows(reward, 3, 4, rng(s))[:3]) for s in range(40)}
+  np.testing.assert_array_equal(batches.informative_rows(spread, 3, 2, rng(0)), [3, 4, 5, 9, 10, 11])
+  np.testing.assert_array_equal(batches.informative_rows(spread, 3, 3, rng(0)), [3, 4, 5, 9, 10, 11, 12, 13, 14])
+  fourth = {tuple(batches.informative_rows(spread, 3, 4, rng(s))[:3]) for s in range(40)}
   assert fourth == {(0, 1, 2), (3, 4, 5)}  # group 0 or group 2 (then group 1 comes first), each at random
   np.testing.assert_array_equal(
-    batches.informative_rows(reward, 3, 4, rng(7)), batches.informative_rows(reward, 3, 4, rng(7))
+    batches.informative_rows(spread, 3, 4, rng(7)), batches.informative_rows(spread, 3, 4, rng(7))
   )
   with pytest.raises(ValueError, match=r"keep must be in \[1, 5\]"):
-    batches.informative_rows(reward, 3, 6, rng(0))
+    batches.informative_rows(spread, 3, 6, rng(0))
   tree = {"a": np.arange(15)[:, None] * [1, 1], "ex": list("abcdefghijklmno"), "s": 0.5, "d": {"b": np.arange(15.0)}}
   tree["other"] = np.zeros(4)
   got = batches.take_rows(tree, np.array([3, 4, 5]), 15)

@@ -46,15 +46,18 @@ def minibatches(batch, n, rng, mesh, rules, pack: float = 0.0):
     yield parallel.shard_batch(mb, mesh, rules, global_batch=True)
 
 
-def informative_rows(reward, samples: int, keep: int, rng) -> np.ndarray:
-  """Dynamic sampling (docs/rl.md §1, step 0): rewards [G * samples] of G prompts' groups (consecutive rows) ->
-  the row indices of the `keep` groups whose rewards vary most (population variance; for 0/1 rewards p(1 - p)),
-  ties broken at random by the NumPy Generator `rng`, in their original order."""
-  r = np.asarray(reward, np.float64).reshape(-1, samples)
-  if not 0 < keep <= len(r):
-    raise ValueError(f"keep must be in [1, {len(r)}] (the groups sampled), got {keep}")
-  spread = r.var(1)
-  order = np.lexsort((rng.random(len(r)), -spread))  # largest variance first; random among equal ones
+def reward_spread(reward, samples: int) -> np.ndarray:
+  """Rewards [G * samples] of G prompts' groups (consecutive rows) -> each group's population variance [G]
+  (p (1 - p) for 0/1 rewards)."""
+  return np.asarray(reward, np.float64).reshape(-1, samples).var(1)
+
+
+def informative_rows(spread, samples: int, keep: int, rng) -> np.ndarray:
+  """Dynamic sampling (docs/rl.md §1, step 0): reward_spread [G] -> the row indices of the `keep` groups whose
+  rewards vary most, ties broken at random by the NumPy Generator `rng`, in their original order."""
+  if not 0 < keep <= len(spread):
+    raise ValueError(f"keep must be in [1, {len(spread)}] (the groups sampled), got {keep}")
+  order = np.lexsort((rng.random(len(spread)), -np.asarray(spread)))  # largest first; random among equal ones
   groups = np.sort(order[:keep])
   return (groups[:, None] * samples + np.arange(samples)).ravel()
 

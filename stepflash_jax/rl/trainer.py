@@ -36,7 +36,7 @@ from stepflash_jax.agents.rollout import Agent, tool_metrics
 from stepflash_jax import hf
 from stepflash_jax.data import jsonl, prompt_dataset
 from stepflash_jax.files import atomic_write
-from stepflash_jax.rl.batches import informative_rows, minibatches, repeat_prompts, sequences, take_rows
+from stepflash_jax.rl.batches import informative_rows, minibatches, repeat_prompts, reward_spread, sequences, take_rows
 from stepflash_jax.rl.critic import critic_from_actor
 from stepflash_jax.rl.programs import Programs, kl_coef_at
 from stepflash_jax.rl import packing, reward_training
@@ -262,11 +262,10 @@ def train_generation(ctx, state, step, prompts, gen, clock):
   rng = generation_rng(ctx.config.seed, step)[1]
   sampled = {}
   if rc.get("oversample", 1) > 1:  # dynamic sampling: train on the prompts whose rewards vary most
-    reward, n = scored["reward"], len(texts)
-    groups = np.asarray(reward, np.float64).reshape(-1, rc.samples_per_prompt)
-    sampled = {"sampled_reward": float(groups.mean()), "sampled_informative": float(np.mean(groups.var(1) > 0))}
-    rows = informative_rows(reward, rc.samples_per_prompt, rc.prompts_per_step, rng)
-    prompts, gen, scored = (take_rows(x, rows, n) for x in (prompts, gen, scored))
+    spread = reward_spread(scored["reward"], rc.samples_per_prompt)
+    sampled = {"sampled_reward": float(np.mean(scored["reward"])), "sampled_informative": float(np.mean(spread > 0))}
+    rows = informative_rows(spread, rc.samples_per_prompt, rc.prompts_per_step, rng)
+    prompts, gen, scored = (take_rows(x, rows, len(texts)) for x in (prompts, gen, scored))
   batch = sequences(prompts, gen)
   if step == ctx.start:
     compile_programs(fns, state, batch, rc, ctx.mesh, ctx.rules)
