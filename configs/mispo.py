@@ -1,15 +1,14 @@
 """The main job: SFT of the tiny Step 3.5 Flash, then RL with MIS-PO and a critic (docs/rl.md, toy scale).
 
-  python experiments/run.py --config=configs/mispo.py            # 13 min on 2 cores (AMD EPYC, 2026-12-04), runs/mispo
+  python experiments/run.py --config=configs/mispo.py            # 12 min on 2 cores (AMD EPYC, 2026-12-06), runs/mispo
   python experiments/run.py --config=configs/mispo.py:small      # ~3 minute smoke run of every stage
   python experiments/run.py --config=configs/mispo.py:pretrained # SFT from the pre-training stage (configs/pretrain.py)
 configs/ppo.py and configs/gspo.py are this file with another objective (same budget, same seeds).
-Measured 2026-12-01 (Intel Xeon @ 2.00GHz, 2 cores): held-out exact match (1344 problems) 0.574 after SFT -> 0.687 /
-0.687 / 0.674 after RL (+11.3 / +11.2 / +10.0 for RL seeds 0 / 1 / 2 from that run's SFT checkpoint at this actor
-LR); 2026-12-02, SFT seeds 1 / 2 (--config.seed): +12.0 / +10.3 (those before sequence packing). 2026-12-04 (AMD
-EPYC, 2 cores, fresh clone): 13 min 02 s, 20.6 CPU-minutes, 0.525 -> 0.646 (+12.1); before packing 15 min 49 s, 26.0
-CPU-minutes, +11.2. 2026-12-05 (Intel Xeon with AMX, 2 cores, fresh cache): 11 min 19 s, 17.8 CPU-minutes,
-0.558 -> 0.671 (+11.3); RL seeds 1 / 2 +12.6 / +10.3, SFT seeds 1 / 2 +14.4 / +14.1. Time, gain and their spread
+Measured 2026-12-06 (AMD EPYC with AVX-512, 2 cores, fresh clone, fresh cache): 12 min 14 s, 19.3 CPU-minutes,
+held-out exact match (1344 problems) 0.574 after SFT -> 0.712 after RL (+13.8); RL seeds 1 / 2 from that SFT
+checkpoint +13.4 / +12.0, SFT seeds 1 / 2 (--config.seed) +12.9 / +12.9. Without dynamic sampling
+(--config.rl.oversample=1) the same VM kind: 9 min 57 s, 15.8 CPU-minutes, +10.3 (RL seed 1 +8.0, SFT seeds 1 / 2
++11.6 / +10.6); an AMD EPYC with AVX2 13 min 02 s, 20.6 CPU-minutes, +12.1 (2026-12-04). Time, gain and their spread
 across machines and seeds: README, "The main job: time and variability"."""
 
 import ml_collections
@@ -28,8 +27,9 @@ def _rl(small: bool):
   # Dynamic sampling (docs/rl.md §1, step 0; not in the report): the rollout samples oversample x prompts_per_step
   # prompts and the prompts_per_step whose responses' rewards vary most are trained on (a prompt whose 8 responses all
   # pass or all fail carries almost no signal: a third of the default mixture is addition at ~97%). 1 = every sampled
-  # prompt. Here the rollout is ~15% of a generation and the updates ~60%, so 2 costs +1.2 s per generation (README,
-  # "The main job: time and variability": the same SFT checkpoint, RL seeds 0 / 1: +12.1 / +12.7 against +10.3 / +8.0).
+  # prompt. Here the rollout is ~15% of a generation and the updates ~60%: 2 costs +1.7 s per generation and a 14 s
+  # compilation (README, "The main job: time and variability": from one SFT checkpoint, RL seeds 0 / 1 gained
+  # +13.8 / +13.4 against +10.3 / +8.0 without it).
   r.oversample = 1 if small else 2
   r.actor_minibatches = 4  # report §5 (docs/rl.md §9): 4 actor and 12 critic mini-batches per generation
   r.critic_minibatches = 12
