@@ -25,11 +25,8 @@ def _rl(small: bool):
   r.prompts_per_step = 8 if small else 24
   r.samples_per_prompt = 6 if small else 8  # report: 16 per reasoning prompt; 192 responses per generation here
   # Dynamic sampling (docs/rl.md §1, step 0; not in the report): the rollout samples oversample x prompts_per_step
-  # prompts and the prompts_per_step whose responses' rewards vary most are trained on (a prompt whose 8 responses all
-  # pass or all fail carries almost no signal: a third of the default mixture is addition at ~97%). 1 = every sampled
-  # prompt. Here the rollout is ~15% of a generation and the updates ~60%: 2 costs +1.7 s per generation and a 14 s
-  # compilation (README, "The main job: time and variability": from one SFT checkpoint, RL seeds 0 / 1 gained
-  # +13.8 / +13.4 against +10.3 / +8.0 without it).
+  # prompts, the prompts_per_step whose rewards vary most are trained on; 1 = all. 2: +1.7 s per generation, +13.8 /
+  # +13.4 points against +10.3 / +8.0 from one SFT checkpoint (README, "The main job: time and variability").
   r.oversample = 1 if small else 2
   r.actor_minibatches = 4  # report §5 (docs/rl.md §9): 4 actor and 12 critic mini-batches per generation
   r.critic_minibatches = 12

@@ -122,7 +122,6 @@ def get_config(arg: str = ""):
   c.pretrain.model = c.model  # one model: the student starts from the pre-trained weights (shared, so overrides too)
   c.pretrain.train.steps = 20 if small else 150  # Sigma_k 0.52, load max / mean 1.6 (last 20 steps); ~2 min
   c.train.steps = 30 if small else 300  # the SFT stage (the main job's)
-  c.rl.oversample = 1  # every RL stage trains on every sampled prompt (the sixteenth run's setting)
   # held-out problems per domain: one sd of the accuracy estimate <= sqrt(.25 / 1024) = 1.6 points (256 gave 3.1:
   # too coarse to tell a student 3 points below its expert from one level with it)
   c.eval.num_examples = 16 if small else 1024
@@ -130,8 +129,8 @@ def get_config(arg: str = ""):
   if not small:
     # every RL stage of the pipeline samples 16 prompts x 6 = 96 responses per generation, half the main job's 192:
     # the packed actor / critic mini-batches of 24 / 8 responses take 5 / 2 rows of 4 (P + R) slots instead of 9 /
-    # 3, so a generation costs ~40% less (the experts keep their generation counts; the 60-minute budget)
-    c.rl.update(prompts_per_step=16, samples_per_prompt=6)
+    # 3: ~40% less per generation (the 60-minute budget); oversample 1: every sampled prompt, as the sixteenth run
+    c.rl.update(prompts_per_step=16, samples_per_prompt=6, oversample=1)
 
   c.pipeline = p = ml_collections.ConfigDict()
   p.domains = _domains(small)

@@ -167,8 +167,7 @@ def _check_rl(c):
       "rl.rollout_slots",
       f"must be an integer in [0, {n}] (0 = static batching; at most the {n} responses), got {slots!r}",
     )
-  over = r.get("oversample", 1)
-  if isinstance(over, bool) or not isinstance(over, int) or over < 1:
+  if isinstance(over := r.get("oversample", 1), bool) or not isinstance(over, int) or over < 1:
     _err("rl.oversample", f"must be an integer >= 1 (prompts sampled per prompt trained; 1 = all), got {over!r}")
   micro = r.get("micro_batch", 0)
   if isinstance(micro, bool) or not isinstance(micro, int) or micro < 0:
