@@ -448,3 +448,76 @@ def test_quantized_engine_adds_mismatch(tiny_cfg, variables, prompts, forward):
   assert diffs["int8"] > 1.2 * diffs[None]  # measured 1.6x (2026-12-01)
   with pytest.raises(ValueError, match="quantize"):
     engine(tiny_cfg, quantize="int4")
+
+
+def test_attention_over_the_written_cache_equals_attention_over_the_old_one():
+  """Attention.__call__ reads the keys from the cache after the write, its written slots emptied (model/attention.py):
+  a ring buffer of S = window slots, one decode token per row at per-row columns, so each write evicts the entry
+  one window back, which the new query no longer sees. Same output as over the old cache, bit for bit."""
+  from stepflash_jax.model.attention import cached_attention, write_cache
+
+  rs = np.random.RandomState(0)
+  b, S, hkv, hq, d, window = 4, 8, 2, 4, 16, 8
+  col = np.array([11, 8, 20, 9], np.int32)  # each row's new column (>= S: the ring is full and wraps)
+  old_cols = col[:, None] - S + (np.arange(S)[None] - (col[:, None] - S)) % S  # the column each slot holds
+  cache = {
+    "k": jnp.asarray(rs.randn(b, S, hkv, d), jnp.float32),
+    "v": jnp.asarray(rs.randn(b, S, hkv, d), jnp.float32),
+    "pos": jnp.asarray(old_cols, jnp.int32),
+  }
+  k, v, q = (jnp.asarray(rs.randn(b, 1, h, d), jnp.float32) for h in (hkv, hkv, hq))
+  pos = jnp.asarray(col[:, None])
+  written, kept = write_cache(cache, k, v, pos, jnp.asarray(col))
+  np.testing.assert_array_equal(np.asarray(written["pos"])[np.arange(b), col % S], col)
+  np.testing.assert_array_equal(np.asarray(kept)[np.arange(b), col % S], -1)
+  old = cached_attention(
+    q,
+    jnp.concatenate([cache["k"], k], 1),
+    jnp.concatenate([cache["v"], v], 1),
+    pos,
+    jnp.concatenate([cache["pos"], pos], 1),
+    window,
+  )
+  new = cached_attention(
+    q,
+    jnp.concatenate([written["k"], k], 1),
+    jnp.concatenate([written["v"], v], 1),
+    pos,
+    jnp.concatenate([kept, pos], 1),
+    window,
+  )
+  np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
+  # the evicted entry was one window back: were it visible, the two would differ
+  wide = cached_attention(
+    q,
+    jnp.concatenate([cache["k"], k], 1),
+    jnp.concatenate([cache["v"], v], 1),
+    pos,
+    jnp.concatenate([cache["pos"], pos], 1),
+    window + 1,
+  )
+  assert not np.array_equal(np.asarray(wide), np.asarray(old))
+
+
+def test_bf16_cache_stored_in_fp32_on_cpu_changes_no_output(tiny_cfg, variables, prompts, monkeypatch):
+  """model/cache.py: on a CPU backend a bf16 engine keeps bf16 keys / values in an fp32 cache. Every output (tokens,
+  log-probs, routing confidences) equals that of bf16 storage, bit for bit."""
+  from stepflash_jax.model import cache as cache_lib
+  from stepflash_jax.sampling import engine as engine_lib
+
+  cpu = jax.default_backend() == "cpu"
+  assert cache_lib.storage_dtype(jnp.bfloat16) == (jnp.float32 if cpu else jnp.bfloat16)
+  assert cache_lib.storage_dtype(jnp.float32) == jnp.float32
+
+  def run():
+    engine_lib._compiled.cache_clear()  # programs are cached by shapes: trace again under the current rule
+    out = engine(tiny_cfg, dtype="bfloat16").generate(variables, prompts, LENS, jax.random.key(5))
+    engine_lib._compiled.cache_clear()
+    return jax.device_get(out)
+
+  stored = run()
+  monkeypatch.setattr(cache_lib, "storage_dtype", jnp.dtype)
+  ref = run()
+  assert jax.tree.structure(stored) == jax.tree.structure(ref)
+  for a, b in zip(jax.tree.leaves(stored), jax.tree.leaves(ref)):
+    np.testing.assert_array_equal(a, b)

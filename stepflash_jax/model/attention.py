@@ -44,7 +44,8 @@ def write_cache(cache, k, v, pos, index):
   """Write new k/v [B, Tn, Hkv, D] and positions [B, Tn] at columns index..index+Tn-1 (slot = column % S).
 
   `index` is a scalar (one start column for all rows) or int [B] (per-row start columns, e.g. speculative decoding
-  where rows advance by different amounts)."""
+  where rows advance by different amounts). Returns (the written cache, the old positions [B, S] with the written
+  slots emptied (-1))."""
   S, Tn = cache["pos"].shape[1], k.shape[1]
   index = jnp.asarray(index, jnp.int32)
   if Tn > S:  # only the last S new tokens can survive in the ring
@@ -53,11 +54,12 @@ def write_cache(cache, k, v, pos, index):
     rows, slots = slice(None), (index + jnp.arange(Tn)) % S
   else:
     rows, slots = jnp.arange(k.shape[0])[:, None], (index[:, None] + jnp.arange(Tn)) % S  # [B, Tn]
-  return {
+  written = {
     "k": cache["k"].at[rows, slots].set(k.astype(cache["k"].dtype)),
     "v": cache["v"].at[rows, slots].set(v.astype(cache["v"].dtype)),
     "pos": cache["pos"].at[rows, slots].set(pos),
   }
+  return written, cache["pos"].at[rows, slots].set(-1)
 
 
 class Attention(nn.Module):
@@ -109,15 +111,18 @@ class Attention(nn.Module):
     else:
       valid = jnp.ones(positions.shape, bool) if segment_ids is None else segment_ids > 0
       pos = jnp.where(valid, positions, -1).astype(jnp.int32)
+      # Keys: the cache as it was, then the new tokens. They are read from the written cache (so XLA keeps no copy
+      # of the old one), its written slots emptied: those held entries no new query sees (empty, out of the window,
+      # or rolled back), so the attention is the same, bit for bit, as over the old cache.
+      new_cache, kept = write_cache(cache, k, v, pos, cache_index)
       o = cached_attention(
         q,
-        jnp.concatenate([cache["k"].astype(k.dtype), k], 1),
-        jnp.concatenate([cache["v"].astype(v.dtype), v], 1),
+        jnp.concatenate([new_cache["k"], k.astype(cache["k"].dtype)], 1),
+        jnp.concatenate([new_cache["v"], v.astype(cache["v"].dtype)], 1),
         pos,
-        jnp.concatenate([cache["pos"], pos], 1),
+        jnp.concatenate([kept, pos], 1),
         self.window,
       )
-      new_cache = write_cache(cache, k, v, pos, cache_index)
     o = o * jax.nn.sigmoid(g)[..., None].astype(o.dtype)  # head-wise output gate
     out = jnp.einsum(
       "btnd,ndh->bth", o.astype(self.dtype), Weight((Hq, D, H), ("heads", "head_dim", "embed"), name="o_proj", **kw)()

@@ -5,6 +5,11 @@ layers and min(total, window + lookahead) for sliding-window layers, so SWA memo
 `lookahead` (= the number of tokens written per verify step minus one, e.g. 3 for MTP-3 drafts) keeps entries
 still in a query's window from being overwritten by tokens written in the same call.
 The tree mirrors the parameter tree: layer_{i}, blocks/sub_{j} (stacked over blocks) and mtp_{k}.
+
+Storage dtype (`storage_dtype`): the model's dtype, except 16-bit values on a CPU backend, which are stored in fp32
+(the values stay 16-bit ones: written from 16-bit keys / values, read as fp32 by the attention anyway). XLA:CPU has
+no 16-bit dynamic-update-slice: it converts the whole cache to fp32 and back to write one token, 19x the time of an
+fp32 write (384 x 68 x 2 x 32 cache, 2026-12-06); the decode step then spends most of its time on cache copies.
 """
 
 import jax
@@ -23,9 +28,16 @@ def _layer_cache(a: ModelArgs, spec: LayerSpec, batch, length, lookahead, dtype,
   }
 
 
+def storage_dtype(dtype) -> jnp.dtype:
+  """The dtype a cache of `dtype` values is stored in: fp32 for 16-bit values on a CPU backend, else `dtype`."""
+  dtype = jnp.dtype(dtype)
+  return jnp.dtype(jnp.float32) if dtype.itemsize == 2 and jax.default_backend() == "cpu" else dtype
+
+
 def init_cache(a: ModelArgs, batch: int, length: int, lookahead: int = 0, dtype=None, mtp: bool = False):
-  """Empty caches for `batch` rows of at most `length` columns (prompt + generated)."""
-  dtype = dtype or a.dtype
+  """Empty caches for `batch` rows of at most `length` columns (prompt + generated), holding values of `dtype`
+  (default: the model's) in `storage_dtype(dtype)`."""
+  dtype = storage_dtype(dtype or a.dtype)
   start, period, n = a.scan if a.scan else (len(a.layers), 0, 0)
   cache = {}
   for i, spec in enumerate(a.layers):
