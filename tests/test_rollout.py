@@ -151,6 +151,26 @@ def test_cached_decode_matches_full_forward(tiny_cfg, variables, prompts, plain_
   assert 0 < plain_out["routing_confidence"] <= 1 and 0 < plain_out["routing_confidence_prompt"] <= 1
 
 
+def test_cached_chunks_match_full_forward(tiny_cfg, variables, prompts, plain_out, forward):
+  """Multi-token cached calls into wrapping ring buffers (a chat's next turn, a tool result): after the prefill the
+  responses are fed 5 tokens per call, so a call overwrites ring entries its first queries still see (window 32,
+  no lookahead); the logits still equal the uncached forward's at every position."""
+  eng, resp, c = engine(tiny_cfg), plain_out["response"], 5
+  seg1 = (np.arange(P)[None] >= (P - LENS)[:, None]).astype(np.int32)
+  pos1 = np.maximum(np.arange(P)[None] - (P - LENS)[:, None], 0)
+  logits, _, cache, *_ = eng.model_call(variables, prompts, pos1, seg1, eng.init_cache(B, P + N + c), 0)
+  got = [jax.nn.log_softmax(logits[:, -1])]
+  for i in range(1, N, c):
+    chunk = resp[:, i - 1 : i - 1 + c]
+    n = chunk.shape[1]
+    pos = (LENS + i - 1)[:, None] + np.arange(n)[None]
+    logits, _, cache, *_ = eng.model_call(variables, chunk, pos, np.ones((B, n), np.int32), cache, P + i - 1)
+    got.append(jax.nn.log_softmax(logits))
+  got = np.concatenate([got[0][:, None]] + [np.asarray(x) for x in got[1:]], 1)[:, :N]
+  want = np.take_along_axis(forward(variables, prompts, LENS, resp), (LENS[:, None] - 1 + np.arange(N))[..., None], 1)
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
 def test_left_padding_does_not_change_a_row(tiny_cfg, variables, prompts, plain_out, forced):
   """The same rows left-padded to 20 columns instead of 12 (8 more pad columns, shifted cache columns and ring
   slots) give the same logits. (generate-level: test_spec_greedy_* compares P=16 spec with P=12 plain.)"""

@@ -2,7 +2,7 @@
 continuous vs static batching, and against transformers' `generate`.
 
     python experiments/benchmarks/rollout.py [--batch 8 --new_tokens 256 --prompt_len 16 --train_steps 300]
-    python experiments/benchmarks/rollout.py --skip 1,2,3,4 --hf_code_dir DIR   # section 5 only
+    python experiments/benchmarks/rollout.py --skip 1,2,3,4,6 --hf_code_dir DIR   # section 5 only
 
 1. Greedy decoding of `new_tokens` tokens, tiny config, fp32: the engine (prefill + one cached token per step) vs a
    no-cache decoder that reruns the full forward over the fixed [B, P + N] buffer every step (one compiled program,
@@ -27,6 +27,9 @@ continuous vs static batching, and against transformers' `generate`.
    remote code mishandles per-row position ids for batches > 1, so its `generate` runs with the default positions
    (the same here: every prompt has `prompt_len` tokens).
    Skipped with a message when the modeling file, torch or transformers is missing. Goal >= 3x.
+6. KV-cache storage of a bf16 engine on CPU at the main job's rollout shapes (`storage_batch` rows, 20-token prompts,
+   48 new tokens, temperature 1): fp32 storage (model/cache.py, the default on CPU) vs bf16 storage, the two
+   programs timed in alternation; their outputs must be equal (exits 1 if not).
 """
 
 from __future__ import annotations
@@ -253,6 +256,35 @@ def section_continuous(cfg, v, a):
   )
 
 
+def section_cache_storage(cfg, v, a):
+  from stepflash_jax.model import cache as cache_lib
+  from stepflash_jax.sampling import engine as engine_lib
+
+  B, P, N = a.storage_batch, 20, 48
+  prompts, lens = make_prompts(np.random.RandomState(6), B, P)
+  eng = RolloutEngine(cfg, max_prompt_len=P, max_new_tokens=N, eos_id=EOS, pad_id=PAD, dtype="bfloat16")
+  default, fns, outs, times = cache_lib.storage_dtype, {}, {}, {}
+  for name, rule in (("fp32 (default)", default), ("bf16", jnp.dtype)):
+    cache_lib.storage_dtype = rule  # read when the program is traced: once, by the first call below
+    engine_lib._compiled.cache_clear()
+    fns[name] = engine_lib._compiled(eng._shapes, False, eng._options)
+    outs[name] = jax.device_get(eng.generate(v, prompts, lens, jax.random.key(0)))
+    cache_lib.storage_dtype, times[name] = default, []
+  engine_lib._compiled.cache_clear()
+  args = eng._inputs(prompts, lens)
+  for i in range(a.reps):
+    for name, fn in fns.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(v, *args, eng.sampling, jax.random.key(i + 1)))
+      times[name].append(time.perf_counter() - t0)
+  same = all(np.array_equal(x, y) for x, y in zip(*(jax.tree.leaves(o) for o in outs.values())))
+  t32, t16 = (statistics.median(t) for t in times.values())
+  print(f"\n6. bf16 engine on {jax.default_backend()}, {B} rows x {N} tokens: KV cache stored in fp32 vs in bf16")
+  print(f"   fp32 storage {t32:7.2f} s   bf16 storage {t16:7.2f} s   speed-up {t16 / t32:.2f}x   same outputs: {same}")
+  if not same:
+    raise SystemExit("the two storages gave different outputs")
+
+
 def section_hf_generate(a):
   from train_step_hf import load_hf_model, missing, write_checkpoint  # this script's folder is on sys.path
 
@@ -313,7 +345,8 @@ def main():
   ap.add_argument("--recompute_steps", type=int, default=32)
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--hf_code_dir", default=None, help="section 5: folder holding StepFun's modeling_step3p5.py")
-  ap.add_argument("--skip", default="", help="comma-separated sections to skip: 1,2,3,4,5")
+  ap.add_argument("--storage_batch", type=int, default=384, help="section 6: rows (the main job's rollout: 384)")
+  ap.add_argument("--skip", default="", help="comma-separated sections to skip: 1,2,3,4,5,6")
   a = ap.parse_args()
   cfg = load_config_file(a.config)
   v = sfj.init(cfg, jax.random.key(0))
@@ -329,6 +362,8 @@ def main():
     section_continuous(cfg, v, a)
   if "5" not in skip:
     section_hf_generate(a)
+  if "6" not in skip:
+    section_cache_storage(cfg, v, a)
 
 
 if __name__ == "__main__":

@@ -111,16 +111,22 @@ class Attention(nn.Module):
     else:
       valid = jnp.ones(positions.shape, bool) if segment_ids is None else segment_ids > 0
       pos = jnp.where(valid, positions, -1).astype(jnp.int32)
-      # Keys: the cache as it was, then the new tokens. They are read from the written cache (so XLA keeps no copy
-      # of the old one), its written slots emptied: those held entries no new query sees (empty, out of the window,
-      # or rolled back), so the attention is the same, bit for bit, as over the old cache.
+      # Keys: the cache as it was, then the new tokens. When no written slot can hold an entry a new query sees
+      # (a full-attention cache; a ring whose write fits its lookahead, S >= window + Tn - 1, e.g. one decode token
+      # or one verify step), they are read from the written cache with those slots emptied: the same attention bit
+      # for bit, and XLA keeps no copy of the old cache alive across the write. A longer chunk into a ring (a chat
+      # turn) may overwrite entries its first queries still see: it reads the cache as it was.
       new_cache, kept = write_cache(cache, k, v, pos, cache_index)
+      if self.window is None or cache["pos"].shape[1] >= self.window + k.shape[1] - 1:
+        old = {"k": new_cache["k"], "v": new_cache["v"], "pos": kept}
+      else:
+        old = cache
       o = cached_attention(
         q,
-        jnp.concatenate([new_cache["k"], k.astype(cache["k"].dtype)], 1),
-        jnp.concatenate([new_cache["v"], v.astype(cache["v"].dtype)], 1),
+        jnp.concatenate([old["k"], k.astype(old["k"].dtype)], 1),
+        jnp.concatenate([old["v"], v.astype(old["v"].dtype)], 1),
         pos,
-        jnp.concatenate([kept, pos], 1),
+        jnp.concatenate([old["pos"], pos], 1),
         self.window,
       )
     o = o * jax.nn.sigmoid(g)[..., None].astype(o.dtype)  # head-wise output gate

@@ -6,10 +6,11 @@ layers and min(total, window + lookahead) for sliding-window layers, so SWA memo
 still in a query's window from being overwritten by tokens written in the same call.
 The tree mirrors the parameter tree: layer_{i}, blocks/sub_{j} (stacked over blocks) and mtp_{k}.
 
-Storage dtype (`storage_dtype`): the model's dtype, except 16-bit values on a CPU backend, which are stored in fp32
-(the values stay 16-bit ones: written from 16-bit keys / values, read as fp32 by the attention anyway). XLA:CPU has
-no 16-bit dynamic-update-slice: it converts the whole cache to fp32 and back to write one token, 19x the time of an
-fp32 write (384 x 68 x 2 x 32 cache, 2026-12-06); the decode step then spends most of its time on cache copies.
+Storage dtype (`storage_dtype`, `init_cache`'s default): the model's dtype, except 16-bit values on a CPU backend,
+which are kept in an fp32 cache. They are still 16-bit values (written from the layer's bf16 keys / values, exactly
+representable) and the attention reads them as fp32 anyway, so every output is the same bit for bit
+(tests/test_rollout.py). XLA:CPU writes a token into a 16-bit buffer by converting the whole buffer to fp32 and
+back: 19x the time of an fp32 write on a 384 x 68 x 2 x 32 cache (2026-12-06; experiments/benchmarks/rollout.py 6).
 """
 
 import jax
@@ -35,9 +36,9 @@ def storage_dtype(dtype) -> jnp.dtype:
 
 
 def init_cache(a: ModelArgs, batch: int, length: int, lookahead: int = 0, dtype=None, mtp: bool = False):
-  """Empty caches for `batch` rows of at most `length` columns (prompt + generated), holding values of `dtype`
-  (default: the model's) in `storage_dtype(dtype)`."""
-  dtype = storage_dtype(dtype or a.dtype)
+  """Empty caches for `batch` rows of at most `length` columns (prompt + generated), stored in `dtype` (default:
+  `storage_dtype` of the model's dtype)."""
+  dtype = dtype or storage_dtype(a.dtype)
   start, period, n = a.scan if a.scan else (len(a.layers), 0, 0)
   cache = {}
   for i, spec in enumerate(a.layers):
