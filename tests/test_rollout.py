@@ -109,8 +109,8 @@ def plain_out(tiny_cfg, variables, prompts):
   return jax.device_get(engine(tiny_cfg).generate(variables, prompts, LENS, jax.random.key(3)))
 
 
-def _teacher_forced(eng, variables, prompts, resp, width, length=P + N + 8):
-  """Prefill the prompts left-padded to `width`, then feed resp one token per call -> (log-softmax [B, N, V],
+def _teacher_forced(eng, variables, prompts, resp, width, length=P + N + 8, chunk=1):
+  """Prefill the prompts left-padded to `width`, then feed resp `chunk` tokens per call -> (log-softmax [B, N, V],
   token-weighted routing confidence of the decode calls)."""
   pads = width - LENS
   p = np.concatenate([np.full((B, width - P), PAD, np.int32), prompts], 1)
@@ -119,15 +119,16 @@ def _teacher_forced(eng, variables, prompts, resp, width, length=P + N + 8):
   logits, _, cache, _, _, _ = eng.model_call(
     variables, p, np.maximum(col - pads[:, None], 0), seg, eng.init_cache(B, length), 0
   )
-  got, conf, ntok = [jax.nn.log_softmax(logits[:, -1])], {}, 0.0
-  for i in range(1, N):
-    logits, _, cache, c, n, _ = eng.model_call(
-      variables, resp[:, i - 1 : i], (LENS + i - 1)[:, None], np.ones((B, 1), np.int32), cache, width + i - 1
-    )
-    got.append(jax.nn.log_softmax(logits[:, 0]))
-    conf = {k: conf.get(k, 0.0) + float(x) * float(n) for k, x in c.items()}  # per MoE layer
-    ntok += float(n)
-  return np.stack(jax.device_get(got), 1), {k: x / ntok for k, x in conf.items()}
+  got, conf, ntok = [jax.nn.log_softmax(logits[:, -1:])], {}, 0.0
+  for i in range(1, N, chunk):
+    x = resp[:, i - 1 : i - 1 + chunk]
+    n = x.shape[1]
+    pos = (LENS + i - 1)[:, None] + np.arange(n)[None]
+    logits, _, cache, c, nt, _ = eng.model_call(variables, x, pos, np.ones((B, n), np.int32), cache, width + i - 1)
+    got.append(jax.nn.log_softmax(logits))
+    conf = {k: conf.get(k, 0.0) + float(v) * float(nt) for k, v in c.items()}  # per MoE layer
+    ntok += float(nt)
+  return np.concatenate(jax.device_get(got), 1)[:, :N], {k: x / ntok for k, x in conf.items()}
 
 
 @pytest.fixture(scope="module")
@@ -155,18 +156,8 @@ def test_cached_chunks_match_full_forward(tiny_cfg, variables, prompts, plain_ou
   """Multi-token cached calls into wrapping ring buffers (a chat's next turn, a tool result): after the prefill the
   responses are fed 5 tokens per call, so a call overwrites ring entries its first queries still see (window 32,
   no lookahead); the logits still equal the uncached forward's at every position."""
-  eng, resp, c = engine(tiny_cfg), plain_out["response"], 5
-  seg1 = (np.arange(P)[None] >= (P - LENS)[:, None]).astype(np.int32)
-  pos1 = np.maximum(np.arange(P)[None] - (P - LENS)[:, None], 0)
-  logits, _, cache, *_ = eng.model_call(variables, prompts, pos1, seg1, eng.init_cache(B, P + N + c), 0)
-  got = [jax.nn.log_softmax(logits[:, -1])]
-  for i in range(1, N, c):
-    chunk = resp[:, i - 1 : i - 1 + c]
-    n = chunk.shape[1]
-    pos = (LENS + i - 1)[:, None] + np.arange(n)[None]
-    logits, _, cache, *_ = eng.model_call(variables, chunk, pos, np.ones((B, n), np.int32), cache, P + i - 1)
-    got.append(jax.nn.log_softmax(logits))
-  got = np.concatenate([got[0][:, None]] + [np.asarray(x) for x in got[1:]], 1)[:, :N]
+  resp = plain_out["response"]
+  got, _ = _teacher_forced(engine(tiny_cfg), variables, prompts, resp, P, chunk=5)
   want = np.take_along_axis(forward(variables, prompts, LENS, resp), (LENS[:, None] - 1 + np.arange(N))[..., None], 1)
   np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
