@@ -93,6 +93,9 @@ def _rl(small: bool):
   r.router_replay = "off"
   r.replay_threshold = 0.5
   r.sft_workdir = ""  # "" = <workdir>/sft; or an existing SFT run to start from
+  # While SFT trains, a helper process at the lowest CPU priority compiles the held-out eval's and the RL programs
+  # into the compilation cache (rl/warmup.py); off in the small mode (tests: no extra process beside each run)
+  r.compile_ahead = not small
   r.log_every = 1 if small else 5
   r.eval_every = 4 if small else 12
   r.checkpoint_every = 2 if small else 10

@@ -392,7 +392,8 @@ def _rl_cmd(workdir, steps, sft_workdir="", overlap=False):
   ]
 
 
-# rl/warmup.py's compile_rl on the config of a run.py command line (argv: its flags, parsed as run.py parses them)
+# rl/warmup.py's compile_eval and compile_rl on the config of a run.py command line (argv: its flags, parsed as
+# run.py parses them)
 COMPILE_AHEAD = """
 import sys
 from absl import flags
@@ -402,6 +403,7 @@ from stepflash_jax.rl import warmup
 sys.argv = run.keyword_fields(sys.argv)  # ml_collections reads sys.argv itself (as run.py's __main__ does)
 flags.FLAGS(sys.argv)
 caches.enable_compile_cache()
+warmup.compile_eval(run._CONFIG.value)
 warmup.compile_rl(run._CONFIG.value)
 """
 
@@ -409,8 +411,8 @@ warmup.compile_rl(run._CONFIG.value)
 def test_rl_resume_equals_uninterrupted(tmp_path):
   """4 generations in one go == 2 generations, then a rerun of the command that resumes to 4 (same SFT); the
   first run samples each generation in turn, the other two overlap it with the previous generation's training
-  (rl.async): the same rollouts, updates and metrics. Before them the RL programs are compiled ahead
-  (rl/warmup.py) into the cache, and the first run loads them: it writes no entry for them."""
+  (rl.async): the same rollouts, updates and metrics. Before them the held-out eval's and the RL programs are
+  compiled ahead (rl/warmup.py) into the cache, and the first run loads them: it writes no entry for them."""
   env = dict(
     os.environ,
     PYTHONUNBUFFERED="1",
@@ -423,6 +425,7 @@ def test_rl_resume_equals_uninterrupted(tmp_path):
     [sys.executable, "-c", COMPILE_AHEAD, *cmd[2:]], check=True, env=dict(env, PYTHONPATH=ROOT), timeout=600
   )
   rl_programs = ("jit_actor_step-", "jit_critic_step-", "jit_score-", "jit_values-")
+  rl_programs += ("jit_generate_plain-", "jit_generate_continuous-")  # the held-out eval's decode, the rollout's
   entries = lambda: sorted(n for n in os.listdir(tmp_path / "xla") if n.startswith(rl_programs))
   ahead = entries()
   assert {n.split("-")[0] for n in ahead} == {p[:-1] for p in rl_programs}

@@ -24,14 +24,10 @@ followed by the same command ends with the same table.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import json
 import os
-import shutil
-import tempfile
-import time
 
 import jax
 import ml_collections
@@ -271,7 +267,7 @@ def _stages(base, table, dirs, workdir, rows, log):
 
   student, groups = _student(base), [tuple(g) for g in p.chains] or [tuple(domains)]
   if "sft" not in table.rows:
-    with _ahead(base, groups, dirs, table):
+    with warmup.ahead(_ahead_stages(base, groups, dirs, table)):
       sft_out = sft.train(base, dirs["sft"], log=log, reuse="pipeline.dirs.sft" if p.dirs.get("sft") else None)
 
   def sft_row():  # evaluated beside the spawned chains' first stages
@@ -315,40 +311,12 @@ def _student(base):
   )
 
 
-@contextlib.contextmanager
-def _ahead(base, groups, dirs, table):
-  """With pipeline.compile_ahead and a compilation cache: while the with-block (pre-training and SFT) runs, a
-  helper process compiles the RL programs of the experts without a row into the cache (rl/warmup.py), each chain
-  of `groups` its first expert first; the helper is stopped when the block ends, and whatever it has not compiled
-  yet the stages compile themselves."""
-  cache = jax.config.jax_compilation_cache_dir
+def _ahead_stages(base, groups, dirs, table):
+  """With pipeline.compile_ahead: the RL programs of the experts without a row, for warmup.ahead beside
+  pre-training and SFT, each chain of `groups` its first expert first."""
   order = [g[i] for i in range(max(map(len, groups))) for g in groups if i < len(g)]
-  todo = [d for d in order if f"expert_{d}" not in table.rows]
-  if not (base.pipeline.compile_ahead and cache and todo):
-    yield
-    return
-  stages = [(f"expert_{d}", expert_config(base, d, dirs["sft"])) for d in todo]
-  scratch = tempfile.mkdtemp(prefix=".ahead-", dir=cache)  # the helper's own cache: it may be killed mid-write
-  try:
-    with parallel.beside(_compile_ahead, (stages, cache, scratch)):
-      yield
-  finally:
-    shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _compile_ahead(stages, cache, scratch):
-  """The helper of _ahead: for each (stage, config) of stages the programs of trainer.run(config) compiled in the
-  cache directory scratch (the job's cache linked in first: what exists loads), the new entries added to the job's
-  cache as each stage is done (caches.share: whole entries only)."""
-  os.nice(19)  # the idle share of the cores: pre-training beside it slowed by 15% instead of 57% (README)
-  host.keep_freed_memory()
-  caches.share(cache, scratch)
-  caches.enable_compile_cache(scratch)
-  for stage, c in stages:
-    t = time.time()
-    warmup.compile_rl(c)
-    n = caches.share(scratch, cache)
-    print(f"[compile ahead] {stage}: {n} programs in {time.time() - t:.0f} s", flush=True)
+  todo = [d for d in order if f"expert_{d}" not in table.rows] if base.pipeline.compile_ahead else []
+  return [(f"expert_{d}", warmup.compile_rl, expert_config(base, d, dirs["sft"])) for d in todo]
 
 
 def _tagged(log, tag: str, text: str) -> None:

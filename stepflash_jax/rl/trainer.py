@@ -26,28 +26,25 @@ import os
 import time
 import types
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from stepflash_jax import model as model_lib
 from stepflash_jax import parallel
-from stepflash_jax.agents.rollout import Agent, tool_metrics
+from stepflash_jax.agents.rollout import tool_metrics
 from stepflash_jax import hf
 from stepflash_jax.data import jsonl, prompt_dataset
 from stepflash_jax.files import atomic_write
+from stepflash_jax.rl.build import compile_programs, generation_rng, init_state, sampler
 from stepflash_jax.rl.batches import informative_rows, minibatches, repeat_prompts, reward_spread, sequences, take_rows
-from stepflash_jax.rl.critic import critic_from_actor
 from stepflash_jax.rl.programs import Programs, kl_coef_at
-from stepflash_jax.rl import packing, reward_training
+from stepflash_jax.rl import packing, reward_training, warmup
 from stepflash_jax.rl.rewards import score_batch
 from stepflash_jax.rl.rollouts import RolloutQueue
-from stepflash_jax.sampling import RolloutEngine
 from stepflash_jax.train import evaluate, sft
-from stepflash_jax.train import state as state_lib
 from stepflash_jax.train.checkpoint import Checkpointer
 from stepflash_jax.train.metrics import MetricsWriter, Progress, StageClock, plot_metrics, read_jsonl, summary_table
-from stepflash_jax.train.step import due, frozen_mask, make_optimizer, warmup_constant
+from stepflash_jax.train.step import due, frozen_mask
 
 
 def run(config, workdir: str, log=print):
@@ -57,41 +54,6 @@ def run(config, workdir: str, log=print):
   mesh, rules = parallel.make_mesh(config.mesh), parallel.rules(config)
   with parallel.use_mesh(mesh, rules):
     return _run(config, workdir, log, mesh, rules)
-
-
-def init_state(config, ref, args, mesh, rules):
-  """Actor (the SFT params) and critic (the SFT backbone + a zero value head), each with its Muon state."""
-  rc = config.rl
-  actor_tx = make_optimizer(config.optim, warmup_constant(rc.actor_lr, rc.actor_warmup))
-  critic_tx = make_optimizer(config.optim, warmup_constant(rc.critic_lr, rc.critic_warmup))
-  critic = state_lib.place_state(critic_from_actor(ref), args, mesh, rules)
-  state = {
-    "actor": {**ref, "opt": state_lib.init_opt_state(actor_tx, ref["params"], args, mesh, rules)},
-    "critic": {**critic, "opt": state_lib.init_opt_state(critic_tx, critic["params"], args, mesh, rules)},
-    "step": jnp.int32(0),
-  }
-  return state, actor_tx, critic_tx
-
-
-def engine_kw(rc) -> dict:
-  """The rollout engine's numerics and sampling: rl.rollout_dtype, rl.rollout_quantize weights, rl.temperature /
-  top_p / logit_noise."""
-  quantize = None if rc.get("rollout_quantize", "none") == "none" else rc.rollout_quantize
-  return dict(
-    dtype=rc.rollout_dtype, temperature=rc.temperature, top_p=rc.top_p, logit_noise=rc.logit_noise, quantize=quantize
-  )
-
-
-def rollout_engine(config, tok) -> RolloutEngine:
-  """The inference engine of the (single-turn) rollouts, with engine_kw(config.rl)."""
-  return RolloutEngine(
-    config.model,
-    max_prompt_len=config.data.max_prompt_len,
-    max_new_tokens=config.rl.max_new_tokens,
-    eos_id=tok.eos_id,
-    pad_id=tok.pad_id,
-    **engine_kw(config.rl),
-  )
 
 
 def sft_stage(config, workdir, log):
@@ -126,8 +88,19 @@ def _prompts(config, tok, log):
   )
 
 
+def _ahead_stages(config, workdir):
+  """With rl.compile_ahead, when the SFT stage has steps to train: the held-out evaluation's and the RL stage's
+  programs, for warmup.ahead beside it."""
+  ckpts = os.path.join(config.rl.get("sft_workdir") or os.path.join(workdir, "sft"), "checkpoints")
+  done = os.path.isdir(ckpts) and (Checkpointer(ckpts, read_only=True).latest_step() or 0) >= config.train.steps
+  if done or not config.rl.get("compile_ahead"):
+    return []
+  return [("held-out eval", warmup.compile_eval, config), ("rl", warmup.compile_rl, config)]
+
+
 def _run(config, workdir, log, mesh, rules):
-  config, tok, ref, acc0, eval_set = sft_stage(config, workdir, log)
+  with warmup.ahead(_ahead_stages(config, workdir)):
+    config, tok, ref, acc0, eval_set = sft_stage(config, workdir, log)
   rc = config.rl
   args = model_lib.as_args(config.model)
   P = config.data.max_prompt_len
@@ -212,45 +185,6 @@ def evaluator(config, tok, eval_set, ref, acc0):
   return {**acc0, **evaluate.gold_metrics(sft_gold, sft_gold)}, held_out
 
 
-def sampler(config, tok, mesh, rules):
-  """(sample(policy, prompts, generation index) -> the rollout on the host, a function that releases the engine):
-  multi-turn tool use with an `agent` section (agents/rollout.py), else the single-turn engine."""
-  rc = config.rl
-  if "agent" in config:
-    agent = Agent(config, tok, rc.max_new_tokens, **engine_kw(rc))
-
-    def sample(policy, prompts, index):  # in the rollout thread with rl.async: its own mesh context
-      with parallel.use_mesh(mesh, rules):
-        return agent.sample(policy, prompts, prompts["examples"], generation_rng(config.seed, index)[0])
-
-    return sample, agent.close
-  engine = rollout_engine(config, tok)
-
-  def sample(policy, prompts, index):
-    with parallel.use_mesh(mesh, rules):
-      return rollout(engine, policy, prompts, generation_rng(config.seed, index)[0], rc, mesh, rules)
-
-  return sample, lambda: None
-
-
-def generation_rng(seed: int, step: int):
-  """(the rollout's key, the host RNG of the update's mini-batch permutations) of generation `step`."""
-  rng = np.random.default_rng([seed, step])
-  return jax.random.key(rng.integers(2**31)), rng
-
-
-def rollout(engine, policy, prompts, key, rc, mesh, rules) -> dict:
-  """The rollout engine's samples for a prompt batch (static batching, or rl.rollout_slots rows served
-  continuously: sampling/continuous.py), on the host."""
-  pb = parallel.shard_batch(
-    {"tokens": prompts["tokens"], "lengths": prompts["lengths"]}, mesh, rules, global_batch=True
-  )
-  slots = rc.get("rollout_slots", 0)
-  if slots:
-    return parallel.to_host(engine.generate_queue(policy, pb["tokens"], pb["lengths"], key, slots=slots))
-  return parallel.to_host(engine.generate(policy, pb["tokens"], pb["lengths"], key))
-
-
 def train_generation(ctx, state, step, prompts, gen, clock):
   """Steps 2-4 of one generation on its rollout: rewards, scoring, advantages, the update epoch.
   Returns (state, the generation's metrics)."""
@@ -283,13 +217,6 @@ def train_generation(ctx, state, step, prompts, gen, clock):
   if "turns" in gen:  # multi-turn tool use
     metrics.update(tool_metrics(gen))
   return state, metrics
-
-
-def compile_programs(fns, state, batch, rc, mesh, rules) -> None:
-  """Compile the generation's big programs (Programs.compile) on `batch`'s shapes, with the router-replay flags
-  rl.router_replay will use."""
-  flags = {"off": (False,), "always": (True,), "auto": (False, True)}[rc.router_replay]
-  fns.compile(state, batch, (rc.actor_minibatches, rc.critic_minibatches), mesh, rules, replay=flags)
 
 
 def score_generation(fns, state, ref, batch, scored, rc, mesh, rules, replay=False) -> dict:
