@@ -1,16 +1,16 @@
 """The main job: SFT of the tiny Step 3.5 Flash, then RL with MIS-PO and a critic (docs/rl.md, toy scale).
 
-  python experiments/run.py --config=configs/mispo.py            # 12-16 min on 2 cores (AMD EPYC, 2026-12-06), runs/mispo
+  python experiments/run.py --config=configs/mispo.py            # 11-16 min on 2 cores (AMD EPYC, 2026-12-06), runs/mispo
   python experiments/run.py --config=configs/mispo.py:small      # ~3 minute smoke run of every stage
   python experiments/run.py --config=configs/mispo.py:pretrained # SFT from the pre-training stage (configs/pretrain.py)
 configs/ppo.py and configs/gspo.py are this file with another objective (same budget, same seeds).
-Measured 2026-12-06 (AMD EPYC with AVX-512, 2 cores, fresh clone, fresh cache): 12 min 14 s, 19.3 CPU-minutes,
+Measured 2026-12-06 (AMD EPYC with AVX-512, 2 cores, fresh clone, fresh cache): 11 min 28 s, 20.0 CPU-minutes,
 held-out exact match (1344 problems) 0.574 after SFT -> 0.712 after RL (+13.8); RL seeds 1 / 2 from that SFT
-checkpoint +13.4 / +12.0, SFT seeds 1 / 2 (--config.seed) +12.9 / +12.9. The same VM kind that afternoon: 15 min 45 s,
-24.1 CPU-minutes, the same figures (every stage 30-40% slower). Without dynamic sampling
-(--config.rl.oversample=1) the same VM kind: 9 min 57 s, 15.8 CPU-minutes, +10.3 (RL seed 1 +8.0, SFT seeds 1 / 2
-+11.6 / +10.6); an AMD EPYC with AVX2 13 min 02 s, 20.6 CPU-minutes, +12.1 (2026-12-04). Time, gain and their spread
-across machines and seeds: README, "The main job: time and variability"."""
+checkpoint +13.4 / +12.0, SFT seeds 1 / 2 (--config.seed) +12.9 / +12.9. Without rl.compile_ahead the same VM kind
+took 12 min 14 s that morning and 15 min 45 s that afternoon, the same figures (every stage 30-40% slower).
+Without dynamic sampling (--config.rl.oversample=1) the same VM kind: 9 min 57 s, 15.8 CPU-minutes, +10.3 (RL seed 1
++8.0, SFT seeds 1 / 2 +11.6 / +10.6); an AMD EPYC with AVX2 13 min 02 s, 20.6 CPU-minutes, +12.1 (2026-12-04).
+Time, gain and their spread across machines and seeds: README, "The main job: time and variability"."""
 
 import ml_collections
 
@@ -46,8 +46,7 @@ def _rl(small: bool):
   # (tests/test_packing.py); scoring -33%, updates -20% per generation (2026-12-04, AMD EPYC).
   r.pack = 0.75
   r.max_new_tokens = 48  # correct answers need <= 43 tokens; shrink (e.g. 24) to study truncation
-  r.temperature = 1.0  # report §5 (docs/rl.md §9): temperature 1.0, top-p 1.0
-  r.top_p = 1.0
+  r.temperature, r.top_p = 1.0, 1.0  # report §5 (docs/rl.md §9)
   r.rollout_dtype = "bfloat16"  # the inference engine's numerics: the source of train/inference mismatch
   r.rollout_quantize = "none"  # or "int8" / "fp8": weight-only quantized rollout engine (more mismatch)
   r.logit_noise = 0.0  # extra Gaussian noise on rollout logits (mismatch lab knob)
@@ -93,9 +92,7 @@ def _rl(small: bool):
   r.router_replay = "off"
   r.replay_threshold = 0.5
   r.sft_workdir = ""  # "" = <workdir>/sft; or an existing SFT run to start from
-  # While SFT trains, a helper process at the lowest CPU priority compiles the held-out eval's and the RL programs
-  # into the compilation cache (rl/warmup.py); off in the small mode (tests: no extra process beside each run)
-  r.compile_ahead = not small
+  r.compile_ahead = not small  # a niced helper compiles the eval's and RL's programs beside SFT (rl/warmup.py)
   r.log_every = 1 if small else 5
   r.eval_every = 4 if small else 12
   r.checkpoint_every = 2 if small else 10
