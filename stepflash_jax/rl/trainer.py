@@ -15,7 +15,8 @@ One generation:
      loss), each a compiled step (Muon); the actor's and the critic's updates are independent and run side by side.
 Everything per generation is logged (reward, accuracy, grad norms, keep fractions, entropy, KL, truncation, routing
 confidence on the rollout and on the training pass, mean and per MoE layer, stage times, throughput); held-out
-greedy accuracy at intervals. The compiled programs live in programs.py, the host batches in batches.py.
+greedy accuracy at intervals. The compiled programs live in programs.py, the host batches in batches.py, the
+state, engines and sampler in build.py; warmup.py compiles the programs beside SFT (rl.compile_ahead).
 """
 
 from __future__ import annotations

@@ -78,9 +78,10 @@ def compile_rl(config) -> None:
 def ahead(stages):
   """While the with-block runs, a helper process compiles stages = [(name, compile_eval or compile_rl, config),
   ...] in order into the compilation cache; it is stopped when the block ends, and whatever it has not compiled yet
-  the stages compile themselves. Nothing without a compilation cache or stages."""
+  the stages compile themselves. Nothing without a compilation cache or stages, or off a CPU backend (a second
+  process would claim the accelerator's memory beside the job's)."""
   cache = jax.config.jax_compilation_cache_dir
-  if not (cache and stages):
+  if not (cache and stages and jax.default_backend() == "cpu"):
     yield
     return
   scratch = tempfile.mkdtemp(prefix=".ahead-", dir=cache)  # the helper's own cache: it may be killed mid-write
