@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from stepflash_jax.train import sft as sft_lib
 from stepflash_jax.train import step as step_lib
 from conftest import ROOT
 
@@ -117,8 +118,10 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
   p.send_signal(signal.SIGKILL)
   p.wait()
   assert ck.exists(), "the run never wrote its step-2 checkpoint"
+  assert sft_lib.finished(b, 2) and not sft_lib.finished(tmp_path / "none", 1)  # (what rl.compile_ahead reads)
   out = subprocess.run(_cmd(b), check=True, env=env, capture_output=True, text=True, timeout=600)
   assert "resumed from step" in out.stdout
+  assert sft_lib.finished(b, 6) and not sft_lib.finished(b, 7)
   la, lb = _losses(a), _losses(b)
   assert sorted(la) == sorted(lb) == [1, 2, 3, 4, 5, 6]
   for s in la:

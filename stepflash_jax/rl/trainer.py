@@ -57,6 +57,11 @@ def run(config, workdir: str, log=print):
     return _run(config, workdir, log, mesh, rules)
 
 
+def sft_dir(config, workdir: str) -> str:
+  """The SFT run of an RL run: rl.sft_workdir, else <workdir>/sft."""
+  return config.rl.get("sft_workdir") or os.path.join(workdir, "sft")
+
+
 def sft_stage(config, workdir, log):
   """The SFT stage: trained in <workdir>/sft on the first run, resumed / reused afterwards (rl.sft_workdir points
   several RL runs, e.g. the mismatch lab's variants, at one SFT run). With rl.mixture the RL prompts and held-out
@@ -64,7 +69,7 @@ def sft_stage(config, workdir, log):
   the SFT policy's held-out accuracy, the held-out problems)."""
   rc = config.rl
   reuse = "rl.sft_workdir" if rc.get("sft_workdir") else None
-  out = sft.train(config, rc.get("sft_workdir") or os.path.join(workdir, "sft"), log=log, reuse=reuse)
+  out = sft.train(config, sft_dir(config, workdir), log=log, reuse=reuse)
   tok, ref, acc0 = out["tokenizer"], out["variables"], out["accuracy"]
   ref = {"params": ref["params"], "router": ref["router"]}
   if rc.get("mixture") and rc.mixture != config.data.mixture:  # e.g. SFT on 2-3 digit, RL on 3-digit problems
@@ -92,9 +97,7 @@ def _prompts(config, tok, log):
 def _ahead_stages(config, workdir):
   """With rl.compile_ahead, when the SFT stage has steps to train: the held-out evaluation's and the RL stage's
   programs, for warmup.ahead beside it."""
-  ckpts = os.path.join(config.rl.get("sft_workdir") or os.path.join(workdir, "sft"), "checkpoints")
-  done = os.path.isdir(ckpts) and (Checkpointer(ckpts, read_only=True).latest_step() or 0) >= config.train.steps
-  if done or not config.rl.get("compile_ahead"):
+  if not config.rl.get("compile_ahead") or sft.finished(sft_dir(config, workdir), config.train.steps):
     return []
   return [("held-out eval", warmup.compile_eval, config), ("rl", warmup.compile_rl, config)]
 

@@ -103,6 +103,16 @@ def train(config, workdir: str, log=print, examples=None, reuse=None):
     return _train(config, workdir, log, mesh, rules, examples, reuse)
 
 
+def finished(workdir: str, steps: int) -> bool:
+  """Whether the run in workdir has a checkpoint at `steps` or later: `train` would restore it, not train."""
+  ckpts = _checkpoint_dir(workdir)
+  return os.path.isdir(ckpts) and (Checkpointer(ckpts, read_only=True).latest_step() or 0) >= steps
+
+
+def _checkpoint_dir(workdir: str) -> str:
+  return os.path.join(workdir, "checkpoints")
+
+
 def _start_variables(config, workdir, log, mesh, rules):
   """The SFT stage's starting point: the pre-training run of config.pretrain (run or resumed there first), else
   a fresh init from config.seed, or the weights of model.hf_dir."""
@@ -154,7 +164,7 @@ def _train(config, workdir, log, mesh, rules, examples=None, reuse=None):
   it = iter(_dataset(config, tok, log, pretrain, examples))
   lr_fn = lr_schedule(config.optim.lr, t.steps, config.optim.warmup_frac, config.optim.end_lr_frac)
   tx = make_optimizer(config.optim, lr_fn)
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=t.keep_checkpoints)
+  ckpt = Checkpointer(_checkpoint_dir(workdir), max_to_keep=t.keep_checkpoints)
   start = ckpt.latest_step()
   if start is None:
     variables = _start_variables(config, workdir, log, mesh, rules)  # created sharded
