@@ -7,9 +7,11 @@ head-wise sigmoid gate g = sigmoid(x W_g) scaling each head, then o_proj. No bia
 
 Two call modes:
   * training / scoring: `cache=None`, attention over the given sequence (segment ids honoured);
-  * cached (prefill and decode): `cache` = {"k", "v": [B, S, Hkv, D], "pos": [B, S] int32 (-1 = empty)}, new
-    tokens are written at columns `cache_index + t` (slot = column % S: a ring buffer when S < total length, as in
-    sliding-window layers). Keys are the old cache plus the new tokens, masked by their stored positions.
+  * cached (prefill and decode): `cache` = {"k": [B, Hkv, S, D], "v": [B, Hkv, D, S], "pos": [B, S] int32 (-1 =
+    empty)}, new tokens are written at columns `cache_index + t` (slot = column % S: a ring buffer when S < total
+    length, as in sliding-window layers), then the queries attend over the written cache, masked by the stored
+    positions. Each of k and v is stored as its product reads it (q.k contracts D, p.v contracts S, both the minor
+    axis), so a decode step copies no cache.
 """
 
 import flax.linen as nn
@@ -26,40 +28,40 @@ from stepflash_jax.parallel import local_ops
 def cached_attention(q, k, v, q_pos, k_pos, window):
   """Dense masked GQA attention used by the cached path, fp32.
 
-  q [B, Tq, Hq, D], k/v [B, S, Hkv, D], q_pos [B, Tq], k_pos [B, S] (-1 = empty slot) -> [B, Tq, Hq, D].
+  q [B, Tq, Hq, D], k [B, Hkv, S, D], v [B, Hkv, D, S], q_pos [B, Tq], k_pos [B, S] (-1 = empty slot)
+  -> [B, Tq, Hq, D].
   Key j is visible from query i iff 0 <= k_pos[j] <= q_pos[i] and q_pos[i] - k_pos[j] < window.
   """
   B, Tq, Hq, D = q.shape
-  Hkv = k.shape[2]
+  Hkv = k.shape[1]
   qg = q.astype(jnp.float32).reshape(B, Tq, Hkv, Hq // Hkv, D) * D**-0.5
-  s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32))
+  s = jnp.einsum("btkgd,bksd->bkgts", qg, k.astype(jnp.float32))
   vis = visible(q_pos[:, :, None], k_pos[:, None, :], window, empty_keys=True)  # [B, Tq, S]
   s = jnp.where(vis[:, None, None], s, MASK_VALUE)
   p = jax.nn.softmax(s, axis=-1)
-  o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
+  o = jnp.einsum("bkgts,bkds->btkgd", p, v.astype(jnp.float32))
   return o.reshape(B, Tq, Hq, D).astype(q.dtype)
 
 
 def write_cache(cache, k, v, pos, index):
-  """Write new k/v [B, Tn, Hkv, D] and positions [B, Tn] at columns index..index+Tn-1 (slot = column % S).
-
-  `index` is a scalar (one start column for all rows) or int [B] (per-row start columns, e.g. speculative decoding
-  where rows advance by different amounts). Returns (the written cache, the old positions [B, S] with the written
-  slots emptied (-1))."""
+  """Write new k/v [B, Tn, Hkv, D] and positions [B, Tn] at columns index..index+Tn-1 (slot = column % S) of a
+  cache with k [B, Hkv, S, D], v [B, Hkv, D, S]. `index` is a scalar (one start column for all rows) or int [B]
+  (per-row start columns, e.g. speculative decoding where rows advance by different amounts). Returns the written
+  cache."""
   S, Tn = cache["pos"].shape[1], k.shape[1]
   index = jnp.asarray(index, jnp.int32)
   if Tn > S:  # only the last S new tokens can survive in the ring
     k, v, pos, index, Tn = k[:, -S:], v[:, -S:], pos[:, -S:], index + Tn - S, S
-  if index.ndim == 0:
+  if index.ndim == 0:  # k.at[:, :, slots] indexes [B, Hkv, Tn, D], v.at[:, :, :, slots] [B, Hkv, D, Tn]
     rows, slots = slice(None), (index + jnp.arange(Tn)) % S
-  else:
-    rows, slots = jnp.arange(k.shape[0])[:, None], (index[:, None] + jnp.arange(Tn)) % S  # [B, Tn]
-  written = {
-    "k": cache["k"].at[rows, slots].set(k.astype(cache["k"].dtype)),
-    "v": cache["v"].at[rows, slots].set(v.astype(cache["v"].dtype)),
+    k, v = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 3, 1))
+  else:  # rows [B, 1] and slots [B, Tn] around slices index [B, Tn, Hkv, D] in both
+    rows, slots = jnp.arange(k.shape[0])[:, None], (index[:, None] + jnp.arange(Tn)) % S
+  return {
+    "k": cache["k"].at[rows, :, slots].set(k.astype(cache["k"].dtype)),
+    "v": cache["v"].at[rows, :, :, slots].set(v.astype(cache["v"].dtype)),
     "pos": cache["pos"].at[rows, slots].set(pos),
   }
-  return written, cache["pos"].at[rows, slots].set(-1)
 
 
 class Attention(nn.Module):
@@ -111,24 +113,20 @@ class Attention(nn.Module):
     else:
       valid = jnp.ones(positions.shape, bool) if segment_ids is None else segment_ids > 0
       pos = jnp.where(valid, positions, -1).astype(jnp.int32)
-      # Keys: the cache as it was, then the new tokens. When no written slot can hold an entry a new query sees
-      # (a full-attention cache; a ring whose write fits its lookahead, S >= window + Tn - 1, e.g. one decode token
-      # or one verify step), they are read from the written cache with those slots emptied: the same attention bit
-      # for bit, and XLA keeps no copy of the old cache alive across the write. A longer chunk into a ring (a chat
-      # turn) may overwrite entries its first queries still see: it reads the cache as it was.
-      new_cache, kept = write_cache(cache, k, v, pos, cache_index)
+      # Keys: the written cache, when no written slot held an entry a new query still sees (a full-attention cache;
+      # a ring whose write fits its lookahead, S >= window + Tn - 1: one decode token, one verify step). A longer
+      # chunk into a ring (a prompt, a chat turn) may overwrite such entries: the cache as it was, then the chunk.
+      new_cache = write_cache(cache, k, v, pos, cache_index)
       if self.window is None or cache["pos"].shape[1] >= self.window + k.shape[1] - 1:
-        old = {"k": new_cache["k"], "v": new_cache["v"], "pos": kept}
+        keys = new_cache
       else:
-        old = cache
-      o = cached_attention(
-        q,
-        jnp.concatenate([old["k"], k.astype(old["k"].dtype)], 1),
-        jnp.concatenate([old["v"], v.astype(old["v"].dtype)], 1),
-        pos,
-        jnp.concatenate([old["pos"], pos], 1),
-        self.window,
-      )
+        dt = cache["k"].dtype
+        keys = {
+          "k": jnp.concatenate([cache["k"], jnp.transpose(k, (0, 2, 1, 3)).astype(dt)], 2),
+          "v": jnp.concatenate([cache["v"], jnp.transpose(v, (0, 2, 3, 1)).astype(dt)], 3),
+          "pos": jnp.concatenate([cache["pos"], pos], 1),
+        }
+      o = cached_attention(q, keys["k"], keys["v"], pos, keys["pos"], self.window)
     o = o * jax.nn.sigmoid(g)[..., None].astype(o.dtype)  # head-wise output gate
     out = jnp.einsum(
       "btnd,ndh->bth", o.astype(self.dtype), Weight((Hq, D, H), ("heads", "head_dim", "embed"), name="o_proj", **kw)()
