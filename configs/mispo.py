@@ -1,13 +1,14 @@
 """The main job: SFT of the tiny Step 3.5 Flash, then RL with MIS-PO and a critic (docs/rl.md, toy scale).
 
-  python experiments/run.py --config=configs/mispo.py            # 11-16 min on 2 cores (AMD EPYC, 2026-12-06), runs/mispo
+  python experiments/run.py --config=configs/mispo.py            # 10-16 min on 2 cores (AMD EPYC, 2026-12-06), runs/mispo
   python experiments/run.py --config=configs/mispo.py:small      # ~3 minute smoke run of every stage
   python experiments/run.py --config=configs/mispo.py:pretrained # SFT from the pre-training stage (configs/pretrain.py)
 configs/ppo.py and configs/gspo.py are this file with another objective (same budget, same seeds).
-Measured 2026-12-06 (AMD EPYC with AVX-512, 2 cores, fresh clone, fresh cache): 11 min 28 s, 20.0 CPU-minutes,
-held-out exact match (1344 problems) 0.574 after SFT -> 0.712 after RL (+13.8); RL seeds 1 / 2 from that SFT
-checkpoint +13.4 / +12.0, SFT seeds 1 / 2 (--config.seed) +12.9 / +12.9. Without rl.compile_ahead the same VM kind
-took 12 min 14 s that morning and 15 min 45 s that afternoon, the same figures (every stage 30-40% slower).
+Measured 2026-12-06 (AMD EPYC with AVX-512, 2 cores, fresh clone, fresh cache): 9 min 59 s, 17.4 CPU-minutes,
+held-out exact match (1344 problems) 0.574 after SFT -> 0.686 after RL (+11.2); RL seeds 1 / 2 from that SFT
+checkpoint +12.1 / +13.2, SFT seeds 1 / 2 (--config.seed) +12.8 / +11.6. The code before that evening's KV-cache
+layout (other rounding in the rollout): 9:45-11:28, +13.8 / +13.4 / +12.0 / +12.9 / +12.9; without rl.compile_ahead
+the same VM kind took 12 min 14 s that morning and 15 min 45 s that afternoon (every stage 30-40% slower).
 Without dynamic sampling (--config.rl.oversample=1) the same VM kind: 9 min 57 s, 15.8 CPU-minutes, +10.3 (RL seed 1
 +8.0, SFT seeds 1 / 2 +11.6 / +10.6); an AMD EPYC with AVX2 13 min 02 s, 20.6 CPU-minutes, +12.1 (2026-12-04).
 Time, gain and their spread across machines and seeds: README, "The main job: time and variability"."""

@@ -1,7 +1,7 @@
 """The entry point: pre-training, SFT, SFT -> RL (MIS-PO / PPO / GSPO / TIS), or the whole post-training pipeline
 (configs/pipeline.py), chosen by the config's `job`.
 
-  python experiments/run.py --config=configs/mispo.py                       # the main job (11-16 min on 2 cores)
+  python experiments/run.py --config=configs/mispo.py                       # the main job (10-16 min on 2 cores)
   python experiments/run.py --config=configs/sft.py --workdir=runs/sft --config.train.steps=200
 Without --workdir it writes to runs/<config name>. Rerunning the same command resumes from the latest checkpoint.
 """
