@@ -55,7 +55,7 @@ def write_cache(cache, k, v, pos, index):
   if index.ndim == 0:  # k.at[:, :, slots] indexes [B, Hkv, Tn, D], v.at[:, :, :, slots] [B, Hkv, D, Tn]
     rows, slots = slice(None), (index + jnp.arange(Tn)) % S
     k, v = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 3, 1))
-  else:  # rows [B, 1] and slots [B, Tn] around slices index [B, Tn, Hkv, D] in both
+  else:  # index arrays rows [B, 1], slots [B, Tn] apart from slices: NumPy puts their [B, Tn] first, [B, Tn, Hkv, D]
     rows, slots = jnp.arange(k.shape[0])[:, None], (index[:, None] + jnp.arange(Tn)) % S
   return {
     "k": cache["k"].at[rows, :, slots].set(k.astype(cache["k"].dtype)),
