@@ -43,6 +43,11 @@ def cached_attention(q, k, v, q_pos, k_pos, window):
   return o.reshape(B, Tq, Hq, D).astype(q.dtype)
 
 
+def cache_layout(k, v):
+  """New keys / values [B, T, Hkv, D] in the cache's layouts: k [B, Hkv, T, D], v [B, Hkv, D, T]."""
+  return jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 3, 1))
+
+
 def write_cache(cache, k, v, pos, index):
   """Write new k/v [B, Tn, Hkv, D] and positions [B, Tn] at columns index..index+Tn-1 (slot = column % S) of a
   cache with k [B, Hkv, S, D], v [B, Hkv, D, S]. `index` is a scalar (one start column for all rows) or int [B]
@@ -54,7 +59,7 @@ def write_cache(cache, k, v, pos, index):
     k, v, pos, index, Tn = k[:, -S:], v[:, -S:], pos[:, -S:], index + Tn - S, S
   if index.ndim == 0:  # k.at[:, :, slots] indexes [B, Hkv, Tn, D], v.at[:, :, :, slots] [B, Hkv, D, Tn]
     rows, slots = slice(None), (index + jnp.arange(Tn)) % S
-    k, v = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 3, 1))
+    k, v = cache_layout(k, v)
   else:  # index arrays rows [B, 1], slots [B, Tn] apart from slices: NumPy puts their [B, Tn] first, [B, Tn, Hkv, D]
     rows, slots = jnp.arange(k.shape[0])[:, None], (index[:, None] + jnp.arange(Tn)) % S
   return {
@@ -120,10 +125,10 @@ class Attention(nn.Module):
       if self.window is None or cache["pos"].shape[1] >= self.window + k.shape[1] - 1:
         keys = new_cache
       else:
-        dt = cache["k"].dtype
+        kn, vn = cache_layout(k.astype(cache["k"].dtype), v.astype(cache["v"].dtype))
         keys = {
-          "k": jnp.concatenate([cache["k"], jnp.transpose(k, (0, 2, 1, 3)).astype(dt)], 2),
-          "v": jnp.concatenate([cache["v"], jnp.transpose(v, (0, 2, 3, 1)).astype(dt)], 3),
+          "k": jnp.concatenate([cache["k"], kn], 2),
+          "v": jnp.concatenate([cache["v"], vn], 3),
           "pos": jnp.concatenate([cache["pos"], pos], 1),
         }
       o = cached_attention(q, keys["k"], keys["v"], pos, keys["pos"], self.window)
