@@ -4,7 +4,7 @@
   python experiments/run.py --config=configs/mispo.py:small      # ~3 minute smoke run of every stage
   python experiments/run.py --config=configs/mispo.py:pretrained # SFT from the pre-training stage (configs/pretrain.py)
 configs/ppo.py and configs/gspo.py are this file with another objective (same budget, same seeds).
-Measured 2026-12-06 (AMD EPYC with AVX-512, 2 cores, fresh clone, fresh cache): 9 min 59 s, 17.4 CPU-minutes,
+Measured 2026-12-06 (AMD EPYC with AVX-512, 2 cores, fresh clones, fresh cache): 9:33-9:59, 16.6-17.4 CPU-minutes,
 held-out exact match (1344 problems) 0.574 after SFT -> 0.686 after RL (+11.2); RL seeds 1 / 2 from that SFT
 checkpoint +12.1 / +13.2, SFT seeds 1 / 2 (--config.seed) +12.8 / +11.6. The code before that evening's KV-cache
 layout (other rounding in the rollout): 9:45-11:28, +13.8 / +13.4 / +12.0 / +12.9 / +12.9; without rl.compile_ahead
