@@ -4,12 +4,19 @@ tokenizer/   the locally trained SentencePiece models (data/tokenizer.py)
 xla/         JAX's persistent compilation cache: a rerun (resume, another seed, another RL variant) loads compiled
              programs instead of compiling them again (~2-3 minutes of a cold main job on a 2-core CPU, ~9-10 of
              the pipeline's cold run). On CPU its keys name no directory: a copied or moved cache still hits.
-             The pipeline's compile-ahead helper compiles into a scratch `.ahead-*` directory of its own inside it
-             and adds whole entries (`share`); the job removes the scratch directory when the helper stops.
+             The compile-ahead helper (rl/warmup.py) compiles into a scratch `.ahead-*` directory of its own
+             inside it and adds each whole entry as soon as JAX has written it (`share_when_written`); the job
+             removes the scratch directory when the helper stops.
 """
 
 import os
 import shutil
+import threading
+
+# jax.monitoring events, both recorded in the compiling thread: the first just before JAX writes a new cache entry,
+# the second when the compilation it belongs to (the write included) is over.
+WRITE_EVENT = "/jax/compilation_cache/cache_misses"
+COMPILED_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 def cache_dir(name: str) -> str:
@@ -52,3 +59,30 @@ def share(src: str, dst: str) -> int:
     os.replace(tmp, target)
     n += 1
   return n
+
+
+def share_when_written(src: str, dst: str) -> None:
+  """From now on in this process, `share(src, dst)` each time a compilation ends while no thread is writing an
+  entry (so only whole entries are shared, also with several compiling threads), instead of once at the end: a
+  helper stopped before its last program still hands over every program it finished. Until a write event has
+  been seen (a JAX that names its events otherwise) nothing is shared this way."""
+  import jax
+
+  lock, writing, written = threading.Lock(), set(), [0]  # threads writing now; entries written, not yet shared
+
+  def on_event(event, **_):
+    if event == WRITE_EVENT:
+      with lock:
+        writing.add(threading.get_ident())
+        written[0] += 1
+
+  def on_duration(event, _secs, **_):
+    if event == COMPILED_EVENT:
+      with lock:
+        writing.discard(threading.get_ident())
+        if written[0] and not writing:
+          share(src, dst)
+          written[0] = 0
+
+  jax.monitoring.register_event_listener(on_event)
+  jax.monitoring.register_event_duration_secs_listener(on_duration)

@@ -94,14 +94,16 @@ def ahead(stages):
 
 def _compile_ahead(stages, cache, scratch):
   """The helper of `ahead`, at the lowest CPU priority: each stage compiled in the cache directory scratch (the
-  job's cache linked in first: what exists loads), its new entries added to the job's cache as soon as it is done
-  (caches.share: whole entries only)."""
+  job's cache linked in first: what exists loads), each new entry added to the job's cache as soon as it is
+  written whole (caches.share_when_written), so a helper stopped mid-stage hands over what it finished."""
   os.nice(19)  # the idle share of the cores: pre-training beside it slowed by 15% instead of 57% (README)
   host.keep_freed_memory()
   caches.share(cache, scratch)
   caches.enable_compile_cache(scratch)
+  caches.share_when_written(scratch, cache)
   for name, compile_fn, config in stages:
-    t = time.time()
+    t, before = time.time(), set(os.listdir(scratch))
     compile_fn(config)
-    n = caches.share(scratch, cache)
+    caches.share(scratch, cache)
+    n = sum(f.endswith("-cache") for f in set(os.listdir(scratch)) - before)
     print(f"[compile ahead] {name}: {n} programs in {time.time() - t:.0f} s", flush=True)
