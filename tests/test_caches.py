@@ -67,7 +67,7 @@ def test_share_adds_whole_entries_the_target_lacks(tmp_path):
 
 
 SHARE_WHEN_WRITTEN_SCRIPT = """
-import os, sys, threading
+import json, os, sys, threading
 import jax, jax.numpy as jnp
 from jax import monitoring
 from stepflash_jax import caches
@@ -75,7 +75,7 @@ src, dst = sys.argv[1], sys.argv[2]
 caches.enable_compile_cache(src)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 caches.share_when_written(src, dst)
-ls = lambda: sorted(n for n in os.listdir(dst) if not n.startswith("."))
+ls = lambda: json.dumps(sorted(n for n in os.listdir(dst) if not n.startswith(".")))
 open(os.path.join(src, "jit_x-0-cache"), "w").write("x")
 monitoring.record_event_duration_secs(caches.COMPILED_EVENT, 0.1)  # no entry written yet: nothing shared
 print("BEFORE", ls())
@@ -104,6 +104,7 @@ def test_share_when_written_hands_over_each_whole_entry(tmp_path):
   """caches.share_when_written: a compilation's entry is in dst when the call returns (and loads there: a process
   on dst compiles nothing new), nothing is shared before JAX's write event was seen or while any thread is still
   writing an entry, and everything once none is."""
+  import json
   import subprocess
   import sys
 
@@ -116,13 +117,14 @@ def test_share_when_written_hands_over_each_whole_entry(tmp_path):
     text=True,
     timeout=120,
   ).stdout
-  seen = {line.split(" ", 1)[0]: eval(line.split(" ", 1)[1]) for line in out.splitlines() if line[:1].isupper()}
+  seen = {k: json.loads(v) for k, v in (line.split(" ", 1) for line in out.splitlines() if line[:1].isupper())}
   assert seen["BEFORE"] == []
   compiled = [n for n in seen["COMPILED"] if n != "jit_x-0-cache"]
   assert any(n.startswith("jit__lambda-") for n in compiled) and "jit_x-0-cache" in seen["COMPILED"]
   assert seen["WRITING"] == seen["COMPILED"]
   assert seen["DONE"] == sorted(seen["COMPILED"] + ["jit_w-1-cache"])
   assert all((dst / n).read_bytes() == (src / n).read_bytes() for n in compiled)
-  (dst / "jit_x-0-cache").unlink(), (dst / "jit_w-1-cache").unlink()  # stand-ins, not loadable entries
+  for stand_in in ("jit_x-0-cache", "jit_w-1-cache"):  # not loadable entries
+    (dst / stand_in).unlink()
   subprocess.run([sys.executable, "-c", MOVED_CACHE_SCRIPT, str(dst)], check=True, timeout=120)
   assert sorted(p.name for p in dst.iterdir()) == compiled  # it loaded: no entry written
