@@ -11,6 +11,8 @@ layout (other rounding in the rollout): 9:45-11:28, +13.8 / +13.4 / +12.0 / +12.
 the same VM kind took 12 min 14 s that morning and 15 min 45 s that afternoon (every stage 30-40% slower).
 Without dynamic sampling (--config.rl.oversample=1) the same VM kind: 9 min 57 s, 15.8 CPU-minutes, +10.3 (RL seed 1
 +8.0, SFT seeds 1 / 2 +11.6 / +10.6); an AMD EPYC with AVX2 13 min 02 s, 20.6 CPU-minutes, +12.1 (2026-12-04).
+This config on an AMD EPYC with AVX2 only (2026-12-07, fresh clone): 14 min 45 s, 25.6 CPU-minutes, 0.525 -> 0.690
+(+16.5); RL seeds 1 / 2 +15.6 / +16.5, SFT seeds 1 / 2 +10.0 / +9.5 (they start at 0.577 / 0.597).
 Time, gain and their spread across machines and seeds: README, "The main job: time and variability"."""
 
 import ml_collections
