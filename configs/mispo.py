@@ -25,7 +25,10 @@ def _rl(small: bool):
   r = ml_collections.ConfigDict()
   r.objective = "mispo"  # "mispo" | "ppo" | "gspo" | "tis"
   r.mixture = ""  # RL prompts and held-out problems: "" = data.mixture (the SFT stage's)
-  r.steps = 4 if small else 36  # generations; one epoch over each (~30 s each on 2 cores)
+  # generations; one epoch over each (~12 s each on 2 cores). 30: every one of five runs >= +10.9 points from SFT's 250
+  # steps (2026-12-07, AVX2 EPYC: +13.2 / +14.6 / +12.8 from one SFT checkpoint, +10.9 / +14.3 for SFT seeds 1 / 2);
+  # 36 gained 0.6-2.3 points more for 6 generations' time (README, "The main job: time and variability")
+  r.steps = 4 if small else 30
   r.prompts_per_step = 8 if small else 24
   r.samples_per_prompt = 6 if small else 8  # report: 16 per reasoning prompt; 192 responses per generation here
   # Dynamic sampling (docs/rl.md §1, step 0; not in the report): the rollout samples oversample x prompts_per_step
@@ -106,9 +109,11 @@ def get_config(arg: str = ""):
   small = "small" in sft_config.options(arg)
   c = sft_config.get_config(arg)
   c.job = "rl"
-  # A shorter SFT than configs/sft.py (400 steps): ~57% held-out leaves RL room to improve. (200 steps, ~38%, then
-  # 10-12 generations at actor LR 1.5e-4 or 3e-4 gained +7 points by generation 5 and then collapsed below SFT.)
-  c.train.steps = 60 if small else 300
+  # A shorter SFT than configs/sft.py (400 steps) leaves RL room to improve: RL stalls near 0.65-0.69 here, so an SFT
+  # start near 0.6 gains < 10 points. 250 steps start at 0.47-0.54 (AVX2 EPYC, seeds 0-2); 300 started at 0.53-0.60
+  # and two of five runs gained +9.5 / +10.0. (200 steps, ~38%, then 10-12 generations at actor LR 1.5e-4 or 3e-4
+  # gained +7 points by generation 5 and then collapsed below SFT.)
+  c.train.steps = 60 if small else 250
   c.train.eval_every = c.train.steps  # evaluate once, at the end of SFT
   c.data.max_prompt_len = 20  # prompts of the default mixture are <= 19 tokens (longer ones: a clear error)
   # 1344 = 7 x 192 held-out problems: one sd of the accuracy estimate <= sqrt(.25 / 1344) = 1.4 points. The eval
