@@ -1,18 +1,17 @@
 """The main job: SFT of the tiny Step 3.5 Flash, then RL with MIS-PO and a critic (docs/rl.md, toy scale).
 
-  python experiments/run.py --config=configs/mispo.py            # 10-16 min on 2 cores (AMD EPYC, 2026-12-06), runs/mispo
+  python experiments/run.py --config=configs/mispo.py            # 13 min on 2 cores (AMD EPYC, 2026-12-07), runs/mispo
   python experiments/run.py --config=configs/mispo.py:small      # ~3 minute smoke run of every stage
   python experiments/run.py --config=configs/mispo.py:pretrained # SFT from the pre-training stage (configs/pretrain.py)
 configs/ppo.py and configs/gspo.py are this file with another objective (same budget, same seeds).
-Measured 2026-12-06 (AMD EPYC with AVX-512, 2 cores, fresh clones, fresh cache): 9:33-9:59, 16.6-17.4 CPU-minutes,
-held-out exact match (1344 problems) 0.574 after SFT -> 0.686 after RL (+11.2); RL seeds 1 / 2 from that SFT
-checkpoint +12.1 / +13.2, SFT seeds 1 / 2 (--config.seed) +12.8 / +11.6. The code before that evening's KV-cache
-layout (other rounding in the rollout): 9:45-11:28, +13.8 / +13.4 / +12.0 / +12.9 / +12.9; without rl.compile_ahead
-the same VM kind took 12 min 14 s that morning and 15 min 45 s that afternoon (every stage 30-40% slower).
-Without dynamic sampling (--config.rl.oversample=1) the same VM kind: 9 min 57 s, 15.8 CPU-minutes, +10.3 (RL seed 1
-+8.0, SFT seeds 1 / 2 +11.6 / +10.6); an AMD EPYC with AVX2 13 min 02 s, 20.6 CPU-minutes, +12.1 (2026-12-04).
-This config on an AMD EPYC with AVX2 only (2026-12-07, fresh clone): 14 min 45 s, 25.6 CPU-minutes, 0.525 -> 0.690
-(+16.5); RL seeds 1 / 2 +15.6 / +16.5, SFT seeds 1 / 2 +10.0 / +9.5 (they start at 0.577 / 0.597).
+Measured 2026-12-07 (AMD EPYC with AVX2 only, 2 cores, fresh clone, fresh cache): 12 min 45 s, 22.3 CPU-minutes,
+held-out exact match (1344 problems) 0.474 after SFT -> 0.606 after RL (+13.2); RL seeds 1 / 2 from that SFT
+checkpoint +14.6 / +12.8, SFT seeds 1 / 2 (--config.seed) +10.9 / +14.3.
+The config before (300 SFT steps, 36 generations: --config.train.steps=300 --config.train.eval_every=300
+--config.rl.steps=36) ends higher (0.68-0.69) but gained +10.0 / +9.5 from SFT seeds 1 / 2 on that VM, in 14 min 45 s
+and 25.6 CPU-minutes; on an AMD EPYC with AVX-512 (2026-12-06) 9:33-9:59, 16.6-17.4 CPU-minutes, 0.574 -> 0.686
+(+11.2), five runs +11.2 to +13.2. Without dynamic sampling (--config.rl.oversample=1) that config took 9 min 57 s
+there, +10.3 (RL seed 1 +8.0, SFT seeds 1 / 2 +11.6 / +10.6).
 Time, gain and their spread across machines and seeds: README, "The main job: time and variability"."""
 
 import ml_collections
