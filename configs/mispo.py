@@ -26,7 +26,7 @@ def _rl(small: bool):
   r.mixture = ""  # RL prompts and held-out problems: "" = data.mixture (the SFT stage's)
   # generations; one epoch over each (~12 s each on 2 cores). 30: every one of five runs >= +10.9 points from SFT's 250
   # steps (2026-12-07, AVX2 EPYC: +13.2 / +14.6 / +12.8 from one SFT checkpoint, +10.9 / +14.3 for SFT seeds 1 / 2);
-  # 36 gained 0.6-2.3 points more for 6 generations' time (README, "The main job: time and variability")
+  # 36 gained 0.5-1.7 points more for 6 generations' time (README, "The main job: time and variability")
   r.steps = 4 if small else 30
   r.prompts_per_step = 8 if small else 24
   r.samples_per_prompt = 6 if small else 8  # report: 16 per reasoning prompt; 192 responses per generation here
@@ -116,7 +116,8 @@ def get_config(arg: str = ""):
   c.train.eval_every = c.train.steps  # evaluate once, at the end of SFT
   c.data.max_prompt_len = 20  # prompts of the default mixture are <= 19 tokens (longer ones: a clear error)
   # 1344 = 7 x 192 held-out problems: one sd of the accuracy estimate <= sqrt(.25 / 1344) = 1.4 points. The eval
-  # engine is the rollout engine (bf16, batch 192, 48 tokens), so eval reuses the rollout's compiled program.
+  # engine has the rollout engine's numerics (bf16, 48 tokens); its 192-row decode program is not the rollout's
+  # (384 rows with rl.oversample = 2): the compile-ahead helper compiles both beside SFT.
   c.eval.num_examples = 32 if small else 1344
   c.eval.batch_size = 48 if small else 192
   c.eval.dtype = "bfloat16"
