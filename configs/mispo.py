@@ -4,9 +4,11 @@
   python experiments/run.py --config=configs/mispo.py:small      # ~3 minute smoke run of every stage
   python experiments/run.py --config=configs/mispo.py:pretrained # SFT from the pre-training stage (configs/pretrain.py)
 configs/ppo.py and configs/gspo.py are this file with another objective (same budget, same seeds).
-Measured 2026-12-07 (AMD EPYC with AVX2 only, 2 cores, fresh clone, fresh cache): 12 min 45 s, 22.3 CPU-minutes,
-held-out exact match (1344 problems) 0.474 after SFT -> 0.606 after RL (+13.2); RL seeds 1 / 2 from that SFT
-checkpoint +14.6 / +12.8, SFT seeds 1 / 2 (--config.seed) +10.9 / +14.3.
+Measured 2026-12-07 (AMD EPYC with AVX2 only, 2 cores, fresh clone, fresh cache): 12 min 45 s, 22.3 CPU-minutes
+(13 min 01 s, 22.6 later that morning), held-out exact match (1344 problems) 0.474 after SFT -> 0.606 after RL
+(+13.2); RL seeds 1 / 2 from that SFT checkpoint +14.6 / +12.8, SFT seeds 1 / 2 (--config.seed) +10.9 / +14.3.
+Under other XLA code paths (flags as a proxy for other CPUs) seed 0 gained +12.9 to +21.3, SFT seed 1 started at
+0.557 / 0.581 and gained +9.7 / +9.4: RL plateaus near 0.65-0.68 here, so starts above ~0.55 fall short (README).
 The config before (300 SFT steps, 36 generations: --config.train.steps=300 --config.train.eval_every=300
 --config.rl.steps=36) ends higher (0.68-0.69) but gained +10.0 / +9.5 from SFT seeds 1 / 2 on that VM, in 14 min 45 s
 and 25.6 CPU-minutes; on an AMD EPYC with AVX-512 (2026-12-06) 9:33-9:59, 16.6-17.4 CPU-minutes, 0.574 -> 0.686
