@@ -1,6 +1,6 @@
 """The main job with the GSPO objective instead of MIS-PO (same budget, data, seeds and critic).
 
-python experiments/run.py --config=configs/gspo.py      # the budget of mispo.py (about as long: its docstring), writes runs/gspo
+python experiments/run.py --config=configs/gspo.py      # as long as mispo.py (its docstring), writes runs/gspo
 """
 
 from configs import mispo

@@ -111,9 +111,10 @@ def get_config(arg: str = ""):
   c = sft_config.get_config(arg)
   c.job = "rl"
   # A shorter SFT than configs/sft.py (400 steps) leaves RL room to improve: RL stalls near 0.65-0.69 here, so an SFT
-  # start near 0.6 gains < 10 points. 250 steps start at 0.47-0.54 (AVX2 EPYC, seeds 0-2); 300 started at 0.53-0.60
-  # and two of five runs gained +9.5 / +10.0. (200 steps, ~38%, then 10-12 generations at actor LR 1.5e-4 or 3e-4
-  # gained +7 points by generation 5 and then collapsed below SFT.)
+  # start near 0.6 gains < 10 points. 250 steps start at 0.47-0.54 (AVX2 EPYC, seeds 0-2; other XLA code paths gave seed
+  # 1 0.557 / 0.581 and +9.7 / +9.4: the docstring); 300 started at 0.53-0.60 and two of five runs gained +9.5 / +10.0.
+  # (200 steps, ~38%, then 10-12 generations at actor LR 1.5e-4 or 3e-4 gained +7 points by generation 5 and then
+  # collapsed below SFT.)
   c.train.steps = 60 if small else 250
   c.train.eval_every = c.train.steps  # evaluate once, at the end of SFT
   c.data.max_prompt_len = 20  # prompts of the default mixture are <= 19 tokens (longer ones: a clear error)

@@ -1,6 +1,6 @@
 """The main job with the PPO objective instead of MIS-PO (same budget, data, seeds and critic).
 
-python experiments/run.py --config=configs/ppo.py      # the budget of mispo.py (about as long: its docstring), writes runs/ppo
+python experiments/run.py --config=configs/ppo.py      # as long as mispo.py (its docstring), writes runs/ppo
 """
 
 from configs import mispo
