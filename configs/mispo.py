@@ -1,19 +1,18 @@
 """The main job: SFT of the tiny Step 3.5 Flash, then RL with MIS-PO and a critic (docs/rl.md, toy scale).
 
-  python experiments/run.py --config=configs/mispo.py            # 13 min on 2 cores (AMD EPYC, 2026-12-07), runs/mispo
+  python experiments/run.py --config=configs/mispo.py            # 12 min on 2 cores (AMD EPYC, 2026-12-07), runs/mispo
   python experiments/run.py --config=configs/mispo.py:small      # ~3 minute smoke run of every stage
   python experiments/run.py --config=configs/mispo.py:pretrained # SFT from the pre-training stage (configs/pretrain.py)
 configs/ppo.py and configs/gspo.py are this file with another objective (same budget, same seeds).
-Measured 2026-12-07 (AMD EPYC with AVX2 only, 2 cores, fresh clone, fresh cache): 12 min 45 s, 22.3 CPU-minutes
-(13 min 01 s, 22.6 later that morning), held-out exact match (1344 problems) 0.474 after SFT -> 0.606 after RL
-(+13.2); RL seeds 1 / 2 from that SFT checkpoint +14.6 / +12.8, SFT seeds 1 / 2 (--config.seed) +10.9 / +14.3.
-Under other XLA code paths (flags as a proxy for other CPUs) seed 0 gained +12.9 to +21.3, SFT seed 1 started at
-0.557 / 0.581 and gained +9.7 / +9.4: RL plateaus near 0.65-0.68 here, so starts above ~0.55 fall short (README).
-The config before (300 SFT steps, 36 generations: --config.train.steps=300 --config.train.eval_every=300
---config.rl.steps=36) ends higher (0.68-0.69) but gained +10.0 / +9.5 from SFT seeds 1 / 2 on that VM, in 14 min 45 s
-and 25.6 CPU-minutes; on an AMD EPYC with AVX-512 (2026-12-06) 9:33-9:59, 16.6-17.4 CPU-minutes, 0.574 -> 0.686
-(+11.2), five runs +11.2 to +13.2. Without dynamic sampling (--config.rl.oversample=1) that config took 9 min 57 s
-there, +10.3 (RL seed 1 +8.0, SFT seeds 1 / 2 +11.6 / +10.6).
+Measured 2026-12-07 (AMD EPYC with AVX2 only, 2 cores, fresh clone, fresh cache): WALL, CPU CPU-minutes, held-out
+exact match (1344 problems) 0.430 after SFT -> 0.545 after RL (+11.5); RL seeds 1 / 2 from that SFT checkpoint
++11.4 / +11.8, SFT seeds 1 / 2 (--config.seed) +11.4 / +14.3. Under other XLA code paths (flags as a proxy for other
+CPUs) SFT ended at 0.35-0.44 and seeds 0 / 1 gained +20.6 / +17.0 and +12.7 / +17.2 (seed 1 after 30 generations).
+The config before (250 SFT steps, 30 generations: --config.train.steps=250 --config.train.eval_every=250
+--config.rl.steps=30) ends higher (0.60-0.65) and its five runs gained +10.9 to +14.6 on that VM (12:45-13:01,
+22.3-22.6 CPU-minutes), but its SFT ended at 0.43-0.58 depending on the code path, and the starts above ~0.55 gained
+only +9.4 / +9.7: RL stalls near 0.65-0.69 here. 300 SFT steps and 36 generations before that: 0.68-0.69 at the end,
++9.5 / +10.0 from SFT seeds 1 / 2.
 Time, gain and their spread across machines and seeds: README, "The main job: time and variability"."""
 
 import ml_collections
@@ -26,10 +25,10 @@ def _rl(small: bool):
   r = ml_collections.ConfigDict()
   r.objective = "mispo"  # "mispo" | "ppo" | "gspo" | "tis"
   r.mixture = ""  # RL prompts and held-out problems: "" = data.mixture (the SFT stage's)
-  # generations; one epoch over each (~12 s each on 2 cores). 30: every one of five runs >= +10.9 points from SFT's 250
-  # steps (2026-12-07, AVX2 EPYC: +13.2 / +14.6 / +12.8 from one SFT checkpoint, +10.9 / +14.3 for SFT seeds 1 / 2);
-  # 36 gained 0.5-1.7 points more for 6 generations' time (README, "The main job: time and variability")
-  r.steps = 4 if small else 30
+  # generations; one epoch over each (~12 s each on 2 cores). 36 after SFT's 200 steps: five runs +11.4 to +14.3
+  # (2026-12-07, AVX2 EPYC: +11.5 / +11.4 / +11.8 from one SFT checkpoint, +11.4 / +14.3 for SFT seeds 1 / 2); 30
+  # gained +10.5 to +13.5 (README, "The main job: time and variability")
+  r.steps = 4 if small else 36
   r.prompts_per_step = 8 if small else 24
   r.samples_per_prompt = 6 if small else 8  # report: 16 per reasoning prompt; 192 responses per generation here
   # Dynamic sampling (docs/rl.md §1, step 0; not in the report): the rollout samples oversample x prompts_per_step
@@ -110,12 +109,11 @@ def get_config(arg: str = ""):
   small = "small" in sft_config.options(arg)
   c = sft_config.get_config(arg)
   c.job = "rl"
-  # A shorter SFT than configs/sft.py (400 steps) leaves RL room to improve: RL stalls near 0.65-0.69 here, so an SFT
-  # start near 0.6 gains < 10 points. 250 steps start at 0.47-0.54 (AVX2 EPYC, seeds 0-2; other XLA code paths gave seed
-  # 1 0.557 / 0.581 and +9.7 / +9.4: the docstring); 300 started at 0.53-0.60 and two of five runs gained +9.5 / +10.0.
-  # (200 steps, ~38%, then 10-12 generations at actor LR 1.5e-4 or 3e-4 gained +7 points by generation 5 and then
-  # collapsed below SFT.)
-  c.train.steps = 60 if small else 250
+  # A shorter SFT than configs/sft.py (400 steps) leaves RL room to improve: RL stalls near 0.65-0.69 here. 200 steps
+  # end at 0.35-0.44 over the seeds and XLA code paths tried (2026-12-07, AVX2 EPYC), and every run then gained >= 11
+  # points; 250 ended at 0.43-0.58 and the starts above ~0.55 gained < 10 (the docstring). (200 steps, then 10-12
+  # generations at actor LR 1.5e-4 or 3e-4, gained +7 points by generation 5 and then collapsed below SFT.)
+  c.train.steps = 60 if small else 200
   c.train.eval_every = c.train.steps  # evaluate once, at the end of SFT
   c.data.max_prompt_len = 20  # prompts of the default mixture are <= 19 tokens (longer ones: a clear error)
   # 1344 = 7 x 192 held-out problems: one sd of the accuracy estimate <= sqrt(.25 / 1344) = 1.4 points. The eval

@@ -121,7 +121,7 @@ def get_config(arg: str = ""):
   c.pretrain = pretrain.get_config("small" if small else "")
   c.pretrain.model = c.model  # one model: the student starts from the pre-trained weights (shared, so overrides too)
   c.pretrain.train.steps = 20 if small else 150  # Sigma_k 0.52, load max / mean 1.6 (last 20 steps); ~2 min
-  c.train.steps = 30 if small else 300  # the SFT stage (the main job's)
+  c.train.steps = 30 if small else 300  # the SFT stage (the main job had 300 steps until 2026-12-07, 200 now)
   # held-out problems per domain: one sd of the accuracy estimate <= sqrt(.25 / 1024) = 1.6 points (256 gave 3.1:
   # too coarse to tell a student 3 points below its expert from one level with it)
   c.eval.num_examples = 16 if small else 1024
