@@ -6,9 +6,9 @@
 configs/ppo.py and configs/gspo.py are this file with another objective (same budget, same seeds).
 Measured 2026-12-07 (AMD EPYC with AVX2 only, 2 cores, fresh clone, fresh cache): 12 min 57 s, 22.1 CPU-minutes,
 held-out exact match (1344 problems) 0.430 after SFT -> 0.545 after RL (+11.5); RL seeds 1 / 2 from that SFT
-checkpoint +11.4 / +11.8, SFT seeds 1 / 2 (--config.seed) +11.4 / +14.3. Under other XLA code paths (flags as a proxy for other
-CPUs) SFT ended at 0.35-0.44 and seeds 0 / 1 gained +20.6 / +17.0 and +12.7 / +17.2 (seed 1 after 30 generations).
-The config before (250 SFT steps, 30 generations: --config.train.steps=250 --config.train.eval_every=250
+checkpoint +11.4 / +11.8, SFT seeds 1 / 2 (--config.seed) +11.4 / +14.3. Under other XLA code paths (flags as a proxy
+for other CPUs) SFT ended at 0.35-0.44 and seeds 0 / 1 gained +20.6 / +17.0 and +12.7 / +17.2 (seed 1 after 30
+generations). The config before (250 SFT steps, 30 generations: --config.train.steps=250 --config.train.eval_every=250
 --config.rl.steps=30) ends higher (0.60-0.65) and its five runs gained +10.9 to +14.6 on that VM (12:45-13:01,
 22.3-22.6 CPU-minutes), but its SFT ended at 0.43-0.58 depending on the code path, and the starts above ~0.55 gained
 only +9.4 / +9.7: RL stalls near 0.65-0.69 here. 300 SFT steps and 36 generations before that: 0.68-0.69 at the end,
