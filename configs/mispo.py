@@ -88,8 +88,8 @@ def _rl(small: bool):
   # Muon steps have a fixed size whatever the gradient's norm, and 48 responses per mini-batch are a noisy gradient:
   # the actor runs at 1/100 of the SFT peak. From one SFT checkpoint (0.574), 36 generations (2026-12-01):
   # actor 3e-5 -> +11.3 points, 5e-5 -> +11.4, 1e-4 -> +1.3 (drift: KL 0.07, arithmetic fell), 3e-4 -> -16 by gen 12.
-  # From this config's 0.43-0.44 starts (2026-12-07) 5e-5 gained +12.9 / +13.5 / +15.5 against +11.5 / +11.4 / +11.4
-  # in three runs: a candidate, not yet validated on the five runs and the proxies (README).
+  # From this config's 0.43-0.44 starts (2026-12-07, five runs) 5e-5 gained +11.6 to +15.5 (mean +13.6) against +11.4
+  # to +14.3 (mean +12.1): a candidate, not yet tried under the proxies for other machines (README).
   r.actor_lr = 3e-5
   r.critic_lr = 7.5e-5
   r.actor_warmup = 20
