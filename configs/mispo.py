@@ -5,14 +5,13 @@
   python experiments/run.py --config=configs/mispo.py:pretrained # SFT from the pre-training stage (configs/pretrain.py)
 configs/ppo.py and configs/gspo.py are this file with another objective (same budget, same seeds).
 Measured 2026-12-07 (AMD EPYC with AVX2 only, 2 cores, fresh clone, fresh cache): 12 min 57 s, 22.1 CPU-minutes,
-held-out exact match (1344 problems) 0.430 after SFT -> 0.545 after RL (+11.5); RL seeds 1 / 2 from that SFT
-checkpoint +11.4 / +11.8, SFT seeds 1 / 2 (--config.seed) +11.4 / +14.3. Under other XLA code paths (flags as a proxy
-for other CPUs) SFT ended at 0.35-0.44 and seeds 0 / 1 gained +20.6 / +17.0 and +12.7 / +17.2 (seed 1 after 30
-generations). The config before (250 SFT steps, 30 generations: --config.train.steps=250 --config.train.eval_every=250
---config.rl.steps=30) ends higher (0.60-0.65) and its five runs gained +10.9 to +14.6 on that VM (12:45-13:01,
-22.3-22.6 CPU-minutes), but its SFT ended at 0.43-0.58 depending on the code path, and the starts above ~0.55 gained
-only +9.4 / +9.7: RL stalls near 0.65-0.69 here. 300 SFT steps and 36 generations before that: 0.68-0.69 at the end,
-+9.5 / +10.0 from SFT seeds 1 / 2.
+held-out exact match (1344 problems) 0.430 after SFT -> 0.545 after RL (+11.5); RL seeds 1 / 2 from that SFT checkpoint
++11.4 / +11.8, SFT seeds 1 / 2 (--config.seed) +11.4 / +14.3. Under other XLA code paths (flags as a proxy for other
+CPUs) SFT ended at 0.35-0.44 and seeds 0 / 1 gained +20.6 / +17.0 and +13.6 / +18.8. The config before (250 SFT steps,
+30 generations: --config.train.steps=250 --config.train.eval_every=250 --config.rl.steps=30) ends higher (0.60-0.65) and
+its five runs gained +10.9 to +14.6 on that VM (12:45-13:01, 22.3-22.6 CPU-minutes), but its SFT ended at 0.43-0.58
+depending on the code path, and the starts above ~0.55 gained only +9.4 / +9.7: RL stalls near 0.65-0.69 here. 300 SFT
+steps and 36 generations before that: 0.68-0.69 at the end, +9.5 / +10.0 from SFT seeds 1 / 2.
 Time, gain and their spread across machines and seeds: README, "The main job: time and variability"."""
 
 import ml_collections
@@ -88,8 +87,8 @@ def _rl(small: bool):
   # Muon steps have a fixed size whatever the gradient's norm, and 48 responses per mini-batch are a noisy gradient:
   # the actor runs at 1/100 of the SFT peak. From one SFT checkpoint (0.574), 36 generations (2026-12-01):
   # actor 3e-5 -> +11.3 points, 5e-5 -> +11.4, 1e-4 -> +1.3 (drift: KL 0.07, arithmetic fell), 3e-4 -> -16 by gen 12.
-  # From this config's 0.43-0.44 starts (2026-12-07, five runs) 5e-5 gained +11.6 to +15.5 (mean +13.6) against +11.4
-  # to +14.3 (mean +12.1): a candidate, not yet tried under the proxies for other machines (README).
+  # From this config's starts (2026-12-07; nine runs: five on the VM's numerics, four under two proxies) 5e-5 was
+  # better in five and worse in four: mean +15.2 against +14.5, min +11.6 against +11.4, within the spread: 3e-5.
   r.actor_lr = 3e-5
   r.critic_lr = 7.5e-5
   r.actor_warmup = 20
