@@ -88,7 +88,7 @@ def _rl(small: bool):
   # the actor runs at 1/100 of the SFT peak. From one SFT checkpoint (0.574), 36 generations (2026-12-01):
   # actor 3e-5 -> +11.3 points, 5e-5 -> +11.4, 1e-4 -> +1.3 (drift: KL 0.07, arithmetic fell), 3e-4 -> -16 by gen 12.
   # From this config's starts (2026-12-07; nine runs: five on the VM's numerics, four under two proxies) 5e-5 was
-  # better in four, worse in four: mean +15.2 against +14.5, min +11.6 against +11.4, within the spread: 3e-5.
+  # better in four, equal in one, worse in four: mean +15.2 against +14.5, min +11.6 against +11.4: 3e-5 stays.
   r.actor_lr = 3e-5
   r.critic_lr = 7.5e-5
   r.actor_warmup = 20

@@ -12,7 +12,7 @@ sys.path.insert(0, ROOT)
 # rerun of the same config) instead of compiling it again. A fresh directory: nothing outside the session is reused.
 # The two pytest-xdist workers (setup.cfg) share one accelerator: allocate its memory on demand, not 75% each.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-# The suite compiles far more than it runs: LLVM at -O1 without its expensive passes (as the sharding workers do)
+# The suite compiles far more than it runs: LLVM at -O1 without its expensive passes (the 8-device workers go to -O0)
 # ran the pipeline's kill-and-resume test in 494 s against 577 s (2026-12-07, 2-core AMD EPYC). Numerics change
 # with the generated code, as between machines; no test compares against a figure computed outside the suite.
 if "XLA_FLAGS" not in os.environ:
