@@ -15,8 +15,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # The suite compiles far more than it runs: LLVM at -O1 without its expensive passes (the 8-device workers go to -O0)
 # ran the pipeline's kill-and-resume test in 494 s against 577 s (2026-12-07, 2-core AMD EPYC). Numerics change
 # with the generated code, as between machines; no test compares against a figure computed outside the suite.
-if "XLA_FLAGS" not in os.environ:
-  os.environ["XLA_FLAGS"] = "--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true"
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="stepflash-test-xla-")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
