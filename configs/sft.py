@@ -79,4 +79,5 @@ def get_config(arg: str = ""):
     from configs import pretrain  # configs/pretrain.py builds on this file
 
     c.pretrain = pretrain.get_config("small" if small else "")
+    c.pretrain.model = c.model  # one model, shared: an override of model.* changes pre-training's too
   return c

@@ -41,6 +41,23 @@ def keyword_fields(argv: list[str]) -> list[str]:
   return [re.sub(r"^--(config(?:\.\w+)+)(?==)", lambda m: "--config" + path(m), a) for a in argv]
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing (app.run's default), with an override of a field the config does not have
+  (--config.rl.stepz=3) as a one-line error naming it instead of ml_collections' traceback."""
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError) as e:
+    inner = e.args[0] if e.args else e  # ml_collections: AttributeError(KeyError("'stepz'\nDid you mean ...?"))
+    first, _, hint = str(inner.args[0] if isinstance(inner, KeyError) and inner.args else inner).partition("\n")
+    key = first.strip("'\"")
+    path = lambda a: [k for k in re.split(r"[.\[\]']+", a.split("=", 1)[0]) if k]  # --config.rl['async']: keywords
+    given = [path(a)[1:] for a in argv[1:] if a.startswith("--config.") and key in path(a)[1:]]
+    if not given:  # not an override's field: a config file's own error
+      raise
+    field = ".".join(given[0][: given[0].index(key) + 1])
+    sys.exit(f"error: config field {field!r} does not exist" + (f" ({hint})" if hint else ""))
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
@@ -99,4 +116,4 @@ def main(argv):
 
 if __name__ == "__main__":
   sys.argv = keyword_fields(sys.argv)  # ml_collections reads sys.argv itself
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

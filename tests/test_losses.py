@@ -201,6 +201,8 @@ def test_normalizer_switch(batch):
     losses.mispo_loss(logp, logp_old, logp_rollout, adv, mask, normalizer="tokens")
   with pytest.raises(ValueError, match="traj_bounds"):
     losses.mispo_loss(logp, logp_old, logp_rollout, adv, mask, traj_bounds=(1.001, 0.996))
+  with pytest.raises(ValueError, match=r"token_bounds must be a pair \(low, high\) of numbers, got \(0.5, 1, 2\)"):
+    losses.mispo_loss(logp, logp_old, logp_rollout, adv, mask, token_bounds=(0.5, 1, 2))
 
 
 def test_mispo_under_jit(batch):

@@ -134,6 +134,7 @@ def test_distilled_tool_transcript_is_the_sft_answer_format(tmp_path):
     ("pipeline.domains.preference.overrides.rl.reward", "nope", r"rl\.reward.*in pipeline\.domains\.preference"),
     ("reward_model.train", ("bt",), r"reward_model\.train.*genrm"),
     ("pipeline.chains", (("arithmetic", "tool"),), r"pipeline\.chains.*every domain once"),
+    ("pipeline.chains", (("arithmetic", "tool", "preference"), 9), r"pipeline\.chains.*every domain once"),
   ],
 )
 def test_config_errors_name_the_field(field, value, message):

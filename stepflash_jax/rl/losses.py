@@ -35,7 +35,10 @@ sg = jax.lax.stop_gradient
 
 
 def _bounds(fn: str, name: str, bounds) -> tuple[float, float]:
-  lo, hi = (float(b) for b in bounds)
+  try:
+    lo, hi = (float(b) for b in bounds)
+  except (TypeError, ValueError):
+    raise ValueError(f"{fn}: {name} must be a pair (low, high) of numbers, got {bounds!r}") from None
   if not (0.0 < lo <= hi):
     raise ValueError(f"{fn}: {name} must satisfy 0 < low <= high, got {tuple(bounds)}")
   return lo, hi

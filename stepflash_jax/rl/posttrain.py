@@ -174,8 +174,8 @@ def check_config(config) -> None:
       unknown = set(dom.overrides[section]) - set(config[section])
       if unknown:
         raise ValueError(f"config field 'pipeline.domains.{name}.overrides.{section}': unknown {sorted(unknown)}")
-  chained = [d for g in p.chains for d in g]
-  if p.chains and sorted(chained) != sorted(p.domains):
+  groups = all(isinstance(g, (tuple, list)) and all(isinstance(d, str) for d in g) for g in p.chains)
+  if p.chains and not (groups and sorted(d for g in p.chains for d in g) == sorted(p.domains)):
     raise ValueError(
       f"config field 'pipeline.chains': groups of domain names with every domain once ({list(p.domains)}), "
       f"got {p.chains!r}"

@@ -29,10 +29,14 @@ def _mixture(field, spec):
     _err(field, str(e))
 
 
+def _number(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool)  # True is an int to Python, not to a config
+
+
 def _positive(c, section, names):
   for n in names:
     v = c[section][n]
-    if not (isinstance(v, (int, float)) and v > 0):
+    if not (_number(v) and v > 0):
       _err(f"{section}.{n}", f"must be > 0, got {v!r}")
 
 
@@ -189,12 +193,11 @@ def _check_rl(c):
     _err("rl.async", f"must be True or False, got {r['async']!r}")
   if r.get("async", False) and stale < 1:
     _err("rl.async", "overlapped generation samples generation j + 1 while j trains: needs rl.max_staleness >= 1")
-  lo, hi = r.token_bounds
-  if not 0 < lo <= 1 <= hi:
-    _err("rl.token_bounds", f"need 0 < low <= 1 <= high, got {tuple(r.token_bounds)}")
-  lo, hi = r.traj_bounds
-  if not 0 < lo <= 1 <= hi:
-    _err("rl.traj_bounds", f"need 0 < low <= 1 <= high, got {tuple(r.traj_bounds)}")
+  for name in ("token_bounds", "traj_bounds"):
+    b = r[name]
+    pair = isinstance(b, (tuple, list)) and len(b) == 2 and all(_number(x) for x in b)
+    if not (pair and 0 < b[0] <= 1 <= b[1]):
+      _err(f"rl.{name}", f"need a pair (low, high) with 0 < low <= 1 <= high, got {b!r}")
   if r.truncation not in ("bootstrap", "zero", "task"):
     _err("rl.truncation", f"must be 'bootstrap', 'zero' or 'task', got {r.truncation!r}")
   if r.rollout_dtype not in ENGINE_DTYPES:
