@@ -513,10 +513,13 @@ if __name__ == "__main__":
   from absl import app, flags
   from ml_collections import config_flags
 
+  from stepflash_jax.config import keyword_fields, parse_flags
+
   _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "configs/lab.py, ':small' for the quick variant.", lock_config=True
   )
   _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default: runs/lab).")
   _PARTS = flags.DEFINE_list("parts", list(PARTS), "Parts of the lab to run (the tables cover what is finished).")
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  sys.argv = keyword_fields(sys.argv)
+  app.run(main, flags_parser=parse_flags)

@@ -6,15 +6,15 @@
 Without --workdir it writes to runs/<config name>. Rerunning the same command resumes from the latest checkpoint.
 """
 
-import keyword
 import os
-import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from stepflash_jax.config.files import keyword_fields, parse_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "Python config file (get_config), ':arg' for a variant.", lock_config=True
@@ -32,30 +32,6 @@ flags.mark_flags_as_required(["config"])
 
 def default_workdir(config_path: str) -> str:
   return os.path.join("runs", os.path.splitext(os.path.basename(config_path))[0])
-
-
-def keyword_fields(argv: list[str]) -> list[str]:
-  """--config.rl.async=True -> --config.rl['async']=True: ml_collections parses an override's path as Python, where
-  a keyword (`async`) is not a field name."""
-  path = lambda m: "".join(f"['{k}']" if keyword.iskeyword(k) else f".{k}" for k in m[1].split(".")[1:])
-  return [re.sub(r"^--(config(?:\.\w+)+)(?==)", lambda m: "--config" + path(m), a) for a in argv]
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing (app.run's default), with an override of a field the config does not have
-  (--config.rl.stepz=3) as a one-line error naming it instead of ml_collections' traceback."""
-  try:
-    return app.parse_flags_with_usage(argv)
-  except (AttributeError, KeyError) as e:
-    inner = e.args[0] if e.args else e  # ml_collections: AttributeError(KeyError("'stepz'\nDid you mean ...?"))
-    first, _, hint = str(inner.args[0] if isinstance(inner, KeyError) and inner.args else inner).partition("\n")
-    key = first.strip("'\"")
-    path = lambda a: [k for k in re.split(r"[.\[\]']+", a.split("=", 1)[0]) if k]  # --config.rl['async']: keywords
-    given = [path(a)[1:] for a in argv[1:] if a.startswith("--config.") and key in path(a)[1:]]
-    if not given:  # not an override's field: a config file's own error
-      raise
-    field = ".".join(given[0][: given[0].index(key) + 1])
-    sys.exit(f"error: config field {field!r} does not exist" + (f" ({hint})" if hint else ""))
 
 
 def main(argv):
@@ -115,5 +91,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  sys.argv = keyword_fields(sys.argv)  # ml_collections reads sys.argv itself
+  sys.argv = keyword_fields(sys.argv)
   app.run(main, flags_parser=parse_flags)

@@ -399,8 +399,9 @@ import sys
 from absl import flags
 from experiments import run
 from stepflash_jax import caches
+from stepflash_jax.config import keyword_fields
 from stepflash_jax.rl import warmup
-sys.argv = run.keyword_fields(sys.argv)  # ml_collections reads sys.argv itself (as run.py's __main__ does)
+sys.argv = keyword_fields(sys.argv)  # ml_collections reads sys.argv itself (as run.py's __main__ does)
 flags.FLAGS(sys.argv)
 caches.enable_compile_cache()
 warmup.compile_eval(run._CONFIG.value)
