@@ -8,6 +8,8 @@ import keyword
 import re
 import sys
 
+from absl import app
+
 
 def load_config_file(path: str, arg: str | None = None):
   """Call `get_config(arg)` of a Python config file (the big_vision / ml_collections convention)."""
@@ -27,8 +29,6 @@ def keyword_fields(argv: list[str]) -> list[str]:
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing (app.run's default; `app.run(main, flags_parser=parse_flags)`), with an override of a field
   the config does not have (--config.rl.stepz=3) as a one-line error naming it instead of ml_collections' traceback."""
-  from absl import app
-
   try:
     return app.parse_flags_with_usage(argv)
   except (AttributeError, KeyError) as e:
