@@ -135,6 +135,12 @@ def test_hf_config_missing_keys_mean_what_the_reference_reads():
       sfj.from_hf_config(dict(hf, **{key: value}))
   with pytest.raises(ValueError, match="use_rope_layers"):
     sfj.from_hf_config(dict(hf, use_rope_layers=[True] * 47 + [False]))
+  # a size of the wrong type names its key (256.0 is the integer 256: JSON writers differ)
+  assert sfj.from_hf_config(dict(hf, hidden_size=float(hf["hidden_size"]))).hidden_size == hf["hidden_size"]
+  bad = [("hidden_size", "4096", "an integer"), ("moe_top_k", 2.5, "an integer"), ("num_hidden_layers", True, "an")]
+  for key, value, kind in bad + [("rms_norm_eps", "1e-5", "a number")]:
+    with pytest.raises(ValueError, match=rf"config.json: '{key}' must be {kind}.*got {value!r}"):
+      sfj.from_hf_config(dict(hf, **{key: value}))
 
 
 def test_router_stored_in_bf16_loads_as_fp32(ckpt, tmp_path):

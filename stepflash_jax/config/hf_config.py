@@ -44,10 +44,17 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
       raise ValueError(f"config.json: missing key '{k}'")
     return hf[k]
 
+  def num(k, default=None, cast=int):
+    """hf[k] (or `default` when absent; required when None) as an int / float, or a ValueError naming k."""
+    v = need(k) if default is None else hf.get(k, default)
+    if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, float) and (cast is float or v.is_integer()))):
+      raise ValueError(f"config.json: '{k}' must be {'an integer' if cast is int else 'a number'}, got {v!r}")
+    return cast(v)
+
   _check_supported(hf)
   n_lists = len(need("layer_types"))
-  mtp = int(hf.get("num_nextn_predict_layers", 0))
-  L = int(need("num_hidden_layers"))
+  mtp = num("num_nextn_predict_layers", 0)
+  L = num("num_hidden_layers")
   if L + mtp != n_lists and L == n_lists:  # some exports count the MTP layers in num_hidden_layers
     L -= mtp
   moe_layers = hf.get("moe_layers_enum")
@@ -56,8 +63,8 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
   elif moe_layers is None:
     moe_layers = list(range(1, L))  # the remote code's default
   other = hf.get("attention_other_setting") or {}
-  kv_heads = int(need("num_attention_groups"))
-  top_k, width = int(hf.get("moe_top_k", 4)), int(hf.get("moe_intermediate_size", 10240))
+  kv_heads, heads, hidden = num("num_attention_groups"), num("num_attention_heads"), num("hidden_size")
+  top_k, width = num("moe_top_k", 4), num("moe_intermediate_size", 10240)
   max_pos = int(hf.get("max_position_embeddings") or hf.get("max_seq_len") or 262144)
 
   def per_layer(key, default):
@@ -75,13 +82,13 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
       high_freq_factor=float(scaling["high_freq_factor"]),
     )
   c = model_config(
-    vocab_size=int(need("vocab_size")),
-    hidden_size=int(need("hidden_size")),
-    head_dim=int(hf.get("head_dim", need("hidden_size") // need("num_attention_heads"))),
+    vocab_size=num("vocab_size"),
+    hidden_size=hidden,
+    head_dim=num("head_dim", hidden // max(heads, 1)),  # (num_heads 0: validate names it)
     num_layers=L,
     num_mtp_layers=mtp,
-    num_heads=int(need("num_attention_heads")),
-    num_heads_swa=int(other.get("num_attention_heads", need("num_attention_heads"))),
+    num_heads=heads,
+    num_heads_swa=int(other.get("num_attention_heads", heads)),
     num_kv_heads=kv_heads,
     sliding_window=int(hf.get("sliding_window") or max_pos),  # null: sliding layers see every earlier token
     layer_types=list(hf["layer_types"]),
@@ -89,17 +96,17 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
     partial_rotary_factors=per_layer("partial_rotary_factors", 1.0),
     rope_scaling=scaling,
     rope_scaling_layer_types=list(hf.get("yarn_only_types", [FULL])),
-    intermediate_size=int(need("intermediate_size")),
+    intermediate_size=num("intermediate_size"),
     moe_layers=moe_layers,
-    num_experts=int(hf.get("moe_num_experts", 16)),
+    num_experts=num("moe_num_experts", 16),
     num_experts_per_tok=top_k,
     moe_intermediate_size=width,
     shared_expert_intermediate_size=int(hf.get("share_expert_dim") or width * top_k),
-    routed_scaling_factor=float(hf.get("moe_router_scaling_factor", 1.0)),
+    routed_scaling_factor=num("moe_router_scaling_factor", 1.0, float),
     norm_expert_weight=bool(hf.get("norm_expert_weight", True)),
     swiglu_limits=per_layer("swiglu_limits", 0.0),
     swiglu_limits_shared=per_layer("swiglu_limits_shared", 0.0),
-    rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+    rms_norm_eps=num("rms_norm_eps", 1e-5, float),
     max_position_embeddings=max_pos,
   )
   c.update({k: v for k, v in (hf.get("stepflash_jax") or {}).items() if k in IMPL_KEYS})
