@@ -160,6 +160,12 @@ def test_the_directory_picks_the_tokenizer(tok, fixture_dir, tmp_path):
   json.dump({k: v for k, v in cfg.items() if k != "chat_template"}, open(bad / "tokenizer_config.json", "w"))
   with pytest.raises(ValueError, match="'chat_template'"):
     load_tokenizer_dir(str(bad))
+  json.dump({**cfg, "chat_template": "{% for m in messages %}\n{{ m.content"}, open(bad / "tokenizer_config.json", "w"))
+  with pytest.raises(ValueError, match=r"tokenizer_config.json: the chat template is not valid Jinja \(line 2: "):
+    load_tokenizer_dir(str(bad))  # at load time, not at the first prompt
+  json.dump([cfg], open(bad / "tokenizer_config.json", "w"))
+  with pytest.raises(ValueError, match="tokenizer_config.json: must be a JSON object, got a list"):
+    load_tokenizer_dir(str(bad))
 
 
 def _run_config(**model):

@@ -84,15 +84,21 @@ class HFTokenizer:
     except Exception as e:  # the Rust error type is not exported
       raise ValueError(f"{path}: cannot read the tokenizer ({e})") from e
     self.directory, self.config = directory, read_json(cfg_path)
+    if not isinstance(self.config, dict):
+      raise ValueError(f"{cfg_path}: must be a JSON object, got a {type(self.config).__name__}")
     template_path = os.path.join(directory, TEMPLATE_FILE)
-    template = self.config.get("chat_template")
+    template, source = self.config.get("chat_template"), cfg_path
     if os.path.isfile(template_path):
       with open(template_path) as f:
-        template = f.read()
+        template, source = f.read(), template_path
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
       template = {t["name"]: t["template"] for t in template}.get("default")
     if not isinstance(template, str):
       raise ValueError(f"{cfg_path}: field 'chat_template' must be a template string (or {TEMPLATE_FILE})")
+    try:
+      compile_template(template)
+    except jinja2.TemplateSyntaxError as e:  # found here, not at the first prompt
+      raise ValueError(f"{source}: the chat template is not valid Jinja (line {e.lineno}: {e.message})") from None
     self.chat_template = template
     self.vocab_size = self.tk.get_vocab_size(with_added_tokens=True)
     self.bos_token, self.eos_token = (
