@@ -139,10 +139,22 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
     ),
     ("--config.nosuch.x=1", "error: config field 'nosuch' does not exist"),
     ("--config.data.lambda=1", "error: config field 'data.lambda' does not exist"),
+    # the config file itself: missing, or its get_config raising
+    (
+      f"--config={ROOT}/configs/nope.py",
+      f"error: --config: [Errno 2] No such file or directory: '{ROOT}/configs/nope.py'",
+    ),
+    (
+      f"--config={ROOT}/configs/sft.py:smal",
+      f"error: flag --config={ROOT}/configs/sft.py:smal: Error whilst parsing config file: ValueError: unknown config "
+      "option(s) ['smal']; known: ['small', 'pretrained']",
+    ),
   ],
 )
 def test_bad_config_is_a_one_line_error(tmp_path, flag, message):
-  out = subprocess.run(_cmd(tmp_path) + [flag], capture_output=True, text=True, timeout=300)
+  file = flag.startswith("--config=")  # replaces the config file, or adds an override
+  cmd = [flag if file and a.startswith("--config=") else a for a in _cmd(tmp_path)] + ([] if file else [flag])
+  out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
   assert out.returncode != 0
   assert out.stderr.strip().splitlines()[-1] == message and "Traceback" not in out.stderr
   assert not os.listdir(tmp_path)  # nothing written in the workdir

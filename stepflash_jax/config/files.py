@@ -8,7 +8,7 @@ import keyword
 import re
 import sys
 
-from absl import app
+from absl import flags
 
 
 def load_config_file(path: str, arg: str | None = None):
@@ -27,10 +27,18 @@ def keyword_fields(argv: list[str]) -> list[str]:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing (app.run's default; `app.run(main, flags_parser=parse_flags)`), with an override of a field
-  the config does not have (--config.rl.stepz=3) as a one-line error naming it instead of ml_collections' traceback."""
+  """absl's flag parsing for `app.run(main, flags_parser=parse_flags)`, with one line on stderr instead of a
+  traceback for a --config file that is missing or raises, and for an override of a field the config does not have
+  (--config.rl.stepz=3)."""
+  lines = lambda e: [line.strip() for line in str(e).splitlines() if line.strip()]
   try:
-    return app.parse_flags_with_usage(argv)
+    argv = flags.FLAGS(argv)
+    if "config" in flags.FLAGS:  # a file that could not be loaded: ml_collections defers the error to a first use
+      flags.FLAGS.config.get
+  except flags.Error as e:  # ml_collections embeds the config file's traceback: its last line is the error
+    sys.exit(f"error: {lines(e)[0]}" + (f" {lines(e)[-1]}" if len(lines(e)) > 1 else ""))
+  except OSError as e:  # that first use (an override, or the check above)
+    sys.exit(f"error: --config: {lines(e)[-1]}")
   except (AttributeError, KeyError) as e:
     inner = e.args[0] if e.args else e  # ml_collections: AttributeError(KeyError("'stepz'\nDid you mean ...?"))
     first, _, hint = str(inner.args[0] if isinstance(inner, KeyError) and inner.args else inner).partition("\n")
@@ -41,3 +49,4 @@ def parse_flags(argv: list[str]) -> list[str]:
       raise
     field = ".".join(given[0][: given[0].index(key) + 1])
     sys.exit(f"error: config field {field!r} does not exist" + (f" ({hint})" if hint else ""))
+  return argv
