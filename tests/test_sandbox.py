@@ -20,17 +20,24 @@ needs_isolation = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True)
+def _own_temp_dir(tmp_path_factory, monkeypatch):
+  """Each test's sandbox directories in a temporary directory of its own (tempfile's default): the checks for
+  leftovers and processes see this test's runs, not those of other test files running beside it (pytest-xdist)."""
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path_factory.mktemp("sandboxes")))
+
+
 def _leftovers():
   return set(glob.glob(os.path.join(tempfile.gettempdir(), sandbox.PREFIX + "*")))
 
 
 def _sandbox_processes():
-  """Processes still running a sandbox's program (their command line names a sandbox directory)."""
-  n = 0
+  """Processes still running a sandbox's program of this test (their command line names its sandbox directory)."""
+  n, mine = 0, os.path.join(tempfile.gettempdir(), sandbox.PREFIX).encode()
   for pid in filter(str.isdigit, os.listdir("/proc")):
     try:
       with open(f"/proc/{pid}/cmdline", "rb") as f:
-        n += sandbox.PREFIX.encode() in f.read()
+        n += mine in f.read()
     except OSError:
       pass
   return n
@@ -41,8 +48,10 @@ def test_runs_code_with_stdin_and_exit_code():
   assert (r.stdout, r.exit_code, r.timed_out, r.error) == ("HELLO\n", 3, False, None)
   r = sandbox.run_python("open('a.txt', 'w').write('ok'); print(open('a.txt').read())")  # its own directory
   assert r.stdout == "ok\n" and r.exit_code == 0
-  with pytest.raises(ValueError, match="timeout_s"):
-    sandbox.run_python("print(1)", timeout_s=0)
+  # a limit that is not a positive number is an error, never a limit left off (disk_mb -3 ran without its tmpfs)
+  for name, value in (("timeout_s", 0), ("memory_mb", True), ("max_processes", 0), ("disk_mb", -3)):
+    with pytest.raises(ValueError, match=rf"{name} must be a number > 0, got {value!r}"):
+      sandbox.run_python("print(1)", **{name: value})
 
 
 def test_infinite_loop_is_stopped_within_twice_its_limit():

@@ -198,8 +198,8 @@ def _check_args(code, stdin, **positive):
   if not isinstance(code, str) or not isinstance(stdin, str):
     raise ValueError(f"code and stdin must be str, got {type(code).__name__} and {type(stdin).__name__}")
   for name, v in positive.items():
-    if not v > 0:
-      raise ValueError(f"{name} must be > 0, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+      raise ValueError(f"{name} must be a number > 0, got {v!r}")
 
 
 def run_python(
@@ -218,7 +218,15 @@ def run_python(
   stdout and stderr are cut there (and any file the code writes); max_processes: the process limit (inside the
   sandbox's own user namespace where available, else on top of the user's current count); disk_mb: the tmpfs
   size of the working directory (with namespaces)."""
-  _check_args(code, stdin, timeout_s=timeout_s, memory_mb=memory_mb, max_output_bytes=max_output_bytes)
+  _check_args(
+    code,
+    stdin,
+    timeout_s=timeout_s,
+    memory_mb=memory_mb,
+    max_output_bytes=max_output_bytes,
+    max_processes=max_processes,
+    disk_mb=disk_mb,
+  )
   caps = capabilities()
   root, cgroups = tempfile.mkdtemp(prefix=PREFIX), []
   try:
