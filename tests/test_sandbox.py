@@ -232,7 +232,7 @@ def _check(results, jobs):
 
 def test_executor_keeps_200_mixed_runs_with_their_calls():
   jobs = _jobs(200)
-  with executor.make("local", max_workers=8) as ex:
+  with executor.make("local", 8) as ex:  # max_workers by position (make("ray", num_cpus=2) below: by name)
     results = ex.map(sandbox.run_job, jobs)
     failures = ex.map(sandbox.run_job, [{"code": "print(1)", "timeout_s": -1}, {"code": "print(2)"}])
   _check(results, jobs)

@@ -78,10 +78,11 @@ class RayExecutor:
     self.close()
 
 
-def make(kind: str = "local", **kwargs):
-  """An executor by name: "local" (LocalExecutor(max_workers)) or "ray" (RayExecutor(address, num_cpus))."""
+def make(kind: str = "local", *args, **kwargs):
+  """An executor by name: make("local", max_workers) -> LocalExecutor, make("ray", address, num_cpus) ->
+  RayExecutor (arguments by position or name)."""
   if kind == "local":
-    return LocalExecutor(**kwargs)
+    return LocalExecutor(*args, **kwargs)
   if kind == "ray":
-    return RayExecutor(**kwargs)
+    return RayExecutor(*args, **kwargs)
   raise ValueError(f"executor must be 'local' or 'ray', got {kind!r}")
