@@ -1,5 +1,6 @@
 """Model configuration: the ConfigDict (defaults.py), its validation (checks.py), the hashable ModelArgs view the
-modules are built from (args.py), the HF config.json mapping (hf_config.py) and config files with their command-line overrides (files.py)."""
+modules are built from (args.py), the HF config.json mapping (hf_config.py), and config files with their
+command-line overrides (files.py)."""
 
 from stepflash_jax.config.args import LayerSpec, ModelArgs, model_args, rope_inv_freq, scan_plan
 from stepflash_jax.config.checks import EXPERT_PARALLEL, ConfigError, parse_expert_parallel, validate
