@@ -180,7 +180,7 @@ def _check_rl(c):
     if micro and rows > micro and rows % micro:  # a batch no larger than micro_batch is one pass
       _err("rl.micro_batch", f"{micro} does not divide the {rows}-row {what}")
   pack = r.get("pack", 0.0)
-  if isinstance(pack, bool) or not isinstance(pack, (int, float)) or not 0 <= pack <= 1:
+  if not (_number(pack) and 0 <= pack <= 1):
     _err(
       "rl.pack", f"must be a number in [0, 1] (packed rows as a fraction of the unpacked slots; 0 = off), got {pack!r}"
     )
