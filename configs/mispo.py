@@ -19,6 +19,26 @@ import ml_collections
 from configs import sft as sft_config
 
 
+def _objective(r):
+  """The policy loss's settings (report §5, docs/rl.md): MIS-PO's filters, the other objectives' clips, KL, GAE."""
+  r.token_bounds = (0.5, 2.0)  # MIS-PO token filter on pi_old / pi_vllm (inclusive)
+  r.traj_bounds = (0.996, 1.001)  # MIS-PO trajectory filter on the geometric-mean ratio (asymmetric)
+  r.normalizer = "valid"  # divide by all valid response tokens (filtered ones included); or "kept"
+  # rho averages log x_t over every valid response token, as the report's formula reads (open there); "kept": only
+  # over the tokens inside token_bounds, so one far-off token does not filter its whole trajectory
+  r.rho_tokens = "all"
+  r.ppo_clip = 0.2
+  r.gspo_clip = 1e-4
+  r.tis_cap = 2.0
+  r.kl_coef = 0.001  # unbiased KL to the SFT policy (final-stage coefficient)
+  # generation (0-based) from which kl_coef applies: 0 = from the start (as here); the report switches the KL on
+  # in its final RL stage only, e.g. kl_start = steps - 6 for the last 6 generations (the KL is logged throughout)
+  r.kl_start = 0
+  r.gamma = 1.0  # GAE gamma = lambda = 1: A_t = R - V(s_t)
+  r.lam = 1.0
+  r.truncation = "bootstrap"  # truncated responses get V(s_T); "zero" for the ablation
+
+
 def _rl(small: bool):
   """The RL section: MIS-PO (report §5, docs/rl.md), its rollouts, critic, schedule and logging."""
   r = ml_collections.ConfigDict()
@@ -62,22 +82,7 @@ def _rl(small: bool):
   # 0.92x, identical metrics); it pays off when the rollout engine has devices of its own.
   r["async"] = False  # `async` is a Python keyword: r["async"] here, --config.rl.async=True on the command line
   r.max_staleness = 0
-  r.token_bounds = (0.5, 2.0)  # MIS-PO token filter on pi_old / pi_vllm (inclusive)
-  r.traj_bounds = (0.996, 1.001)  # MIS-PO trajectory filter on the geometric-mean ratio (asymmetric)
-  r.normalizer = "valid"  # divide by all valid response tokens (filtered ones included); or "kept"
-  # rho averages log x_t over every valid response token, as the report's formula reads (open there); "kept": only
-  # over the tokens inside token_bounds, so one far-off token does not filter its whole trajectory
-  r.rho_tokens = "all"
-  r.ppo_clip = 0.2
-  r.gspo_clip = 1e-4
-  r.tis_cap = 2.0
-  r.kl_coef = 0.001  # unbiased KL to the SFT policy (final-stage coefficient)
-  # generation (0-based) from which kl_coef applies: 0 = from the start (as here); the report switches the KL on
-  # in its final RL stage only, e.g. kl_start = steps - 6 for the last 6 generations (the KL is logged throughout)
-  r.kl_start = 0
-  r.gamma = 1.0  # GAE gamma = lambda = 1: A_t = R - V(s_t)
-  r.lam = 1.0
-  r.truncation = "bootstrap"  # truncated responses get V(s_T); "zero" for the ablation
+  _objective(r)
   r.reward = "rule"  # stepflash_jax.rl.rewards registry
   r.reward_filters = ()  # zero-reward filters applied first, e.g. ("format", "mixed_script") (docs/rewards.md)
   # {task family: reward} for the samples of those families (rewards.ByFamily; the pipeline's student gives the

@@ -1,7 +1,7 @@
 """The package's layering: every import points down, no import cycle, no function-local import of our own modules.
 
 Layers, bottom to top (a module may import its own package and the layers below it):
-  kernels (pallas_kernels) < ops < parallel, caches, host, files < config, data, optim < model < hf, sampling
+  kernels (pallas_kernels) < checks < ops < parallel, caches, host, files < config, data, optim < model < hf, sampling
   < agents, fixtures
   < train < rl
   < the package root (stepflash_jax/__init__.py re-exports the public API).
@@ -13,6 +13,7 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = [
   {"pallas_kernels"},
+  {"stepflash_jax.checks"},
   {"stepflash_jax.ops"},
   {"stepflash_jax.parallel", "stepflash_jax.caches", "stepflash_jax.host", "stepflash_jax.files"},
   {"stepflash_jax.config", "stepflash_jax.data", "stepflash_jax.optim"},

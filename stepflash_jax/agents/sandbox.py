@@ -34,6 +34,8 @@ import sys
 import tempfile
 import time
 
+from stepflash_jax.checks import is_number
+
 CONFINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "confine.py")
 PREFIX = "sfj-sandbox-"
 UNSHARE = [
@@ -198,8 +200,34 @@ def _check_args(code, stdin, **positive):
   if not isinstance(code, str) or not isinstance(stdin, str):
     raise ValueError(f"code and stdin must be str, got {type(code).__name__} and {type(stdin).__name__}")
   for name, v in positive.items():
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+    if not is_number(v) or not v > 0:
       raise ValueError(f"{name} must be a number > 0, got {v!r}")
+
+
+def _command(main: str, confine: str, namespaces: bool, cgroups: list) -> list:
+  """argv of the sandbox: confine.py (its limits as JSON) running `python -I main`, inside unshare's namespaces and
+  the cgroups where the machine has them."""
+  argv = [sys.executable, "-I", CONFINE, confine, "--", sys.executable, "-I", main]
+  argv = (UNSHARE + argv) if namespaces else argv
+  if cgroups:  # the shell joins them, then becomes the sandbox: everything it starts is counted
+    join = 'for d in "$@"; do [ "$d" = -- ] && break; echo $$ > "$d/cgroup.procs" || exit 125; shift; done'
+    argv = ["/bin/sh", "-c", join + '; shift; exec "$@"', "sh", *cgroups, "--"] + argv
+  return argv
+
+
+def _wait(argv: list, root: str, work: str, env: dict, timeout_s: float):
+  """Run argv in a session of its own (stdin, stdout, stderr: files under root) until it exits or timeout_s passes;
+  then kill its process group. Returns (exit code or None on time out, timed_out, seconds)."""
+  t0 = time.monotonic()
+  with open(os.path.join(root, "stdin"), "rb") as fin, open(os.path.join(root, "stdout"), "wb") as fout:
+    with open(os.path.join(root, "stderr"), "wb") as ferr:
+      proc = subprocess.Popen(argv, stdin=fin, stdout=fout, stderr=ferr, cwd=work, env=env, start_new_session=True)
+      try:
+        code, timed_out = proc.wait(timeout=timeout_s), False
+      except subprocess.TimeoutExpired:
+        code, timed_out = None, True
+      _kill(proc)  # on time out; otherwise whatever the code left running in its group
+  return code, timed_out, time.monotonic() - t0
 
 
 def run_python(
@@ -244,44 +272,22 @@ def run_python(
       disk_mb=int(disk_mb) if caps["namespaces"] else 0,
       mount_ns=bool(caps["namespaces"]),  # confine.py remounts read-only only inside a mount namespace of its own
     )
-    argv = [
-      sys.executable,
-      "-I",
-      CONFINE,
-      json.dumps(limits),
-      "--",
-      sys.executable,
-      "-I",
-      os.path.join(root, "main.py"),
-    ]
-    argv = (UNSHARE + argv) if caps["namespaces"] else argv
+    confine = json.dumps(limits)  # what confine.py applies before it runs the code
     # the kernel does not apply RLIMIT_NPROC to root: a pids cgroup counts for it (+ unshare and the launcher); the
     # memory cgroup holds the run's processes and its tmpfs's pages (charged to the writer's cgroup)
     limits["run_memory_mb"] = int(memory_mb) + limits["disk_mb"]
     cgroups = _cgroups(caps, {"pids": max_processes + 2, "memory": limits["run_memory_mb"] << 20})
-    if cgroups:  # the shell joins them, then becomes the sandbox: everything it starts is counted
-      join = 'for d in "$@"; do [ "$d" = -- ] && break; echo $$ > "$d/cgroup.procs" || exit 125; shift; done'
-      argv = ["/bin/sh", "-c", join + '; shift; exec "$@"', "sh", *cgroups, "--"] + argv
+    argv = _command(os.path.join(root, "main.py"), confine, caps["namespaces"], cgroups)
     env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
-    t0 = time.monotonic()
-    with open(os.path.join(root, "stdin"), "rb") as fin, open(os.path.join(root, "stdout"), "wb") as fout:
-      with open(os.path.join(root, "stderr"), "wb") as ferr:
-        proc = subprocess.Popen(argv, stdin=fin, stdout=fout, stderr=ferr, cwd=work, env=env, start_new_session=True)
-        timed_out = False
-        try:
-          code_ = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-          timed_out, code_ = True, None
-        _kill(proc)  # on time out; otherwise whatever the code left running in its group
-    seconds = time.monotonic() - t0
+    status, timed_out, seconds = _wait(argv, root, work, env, timeout_s)
     out, out_full = _read_capped(os.path.join(root, "stdout"), max_output_bytes)
     err, err_full = _read_capped(os.path.join(root, "stderr"), max_output_bytes)
     confinement, _, err = err.partition("\n") if err.startswith("confine: ") else ("", "", err)
     if timed_out and caps["namespaces"]:  # unshare's own complaint when its child is killed
       err = "".join(ln for ln in err.splitlines(True) if not ln.startswith("unshare: "))
     limits["cpu_hit"], limits["oom_kills"] = seconds >= limits["cpu_s"], _oom_kills(cgroups)
-    error = f"wall-clock timeout ({timeout_s} s)" if timed_out else _diagnose(code_, err, out_full, err_full, limits)
-    exit_code = None if timed_out or (code_ is not None and code_ < 0) else code_
+    error = f"wall-clock timeout ({timeout_s} s)" if timed_out else _diagnose(status, err, out_full, err_full, limits)
+    exit_code = None if timed_out or (status is not None and status < 0) else status
     return Result(out, err, exit_code, timed_out, error, confinement.removeprefix("confine: "), seconds)
   finally:
     _remove(root)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from stepflash_jax.checks import is_int, is_number
 from stepflash_jax.config.checks import validate
 from stepflash_jax.config.defaults import FULL, SWA, model_config
 
@@ -47,7 +48,7 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
   def num(k, default=None, cast=int):
     """hf[k] (or `default` when absent; required when None) as an int / float, or a ValueError naming k."""
     v = need(k) if default is None else hf.get(k, default)
-    if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, float) and (cast is float or v.is_integer()))):
+    if not (is_int(v) or (is_number(v) and (cast is float or float(v).is_integer()))):
       raise ValueError(f"config.json: '{k}' must be {'an integer' if cast is int else 'a number'}, got {v!r}")
     return cast(v)
 
@@ -57,11 +58,6 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
   L = num("num_hidden_layers")
   if L + mtp != n_lists and L == n_lists:  # some exports count the MTP layers in num_hidden_layers
     L -= mtp
-  moe_layers = hf.get("moe_layers_enum")
-  if isinstance(moe_layers, str):
-    moe_layers = [int(x) for x in moe_layers.split(",") if x.strip()]
-  elif moe_layers is None:
-    moe_layers = list(range(1, L))  # the remote code's default
   other = hf.get("attention_other_setting") or {}
   kv_heads, heads, hidden = num("num_attention_groups"), num("num_attention_heads"), num("hidden_size")
   top_k, width = num("moe_top_k", 4), num("moe_intermediate_size", 10240)
@@ -72,15 +68,6 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
     v = default if v is None else v
     return [float(x or 0.0) for x in v] if isinstance(v, (list, tuple)) else [float(v)] * n_lists
 
-  scaling = hf.get("rope_scaling")
-  if scaling is not None:
-    scaling = dict(
-      rope_type=scaling.get("rope_type", scaling.get("type", "llama3")),
-      factor=float(scaling["factor"]),
-      original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-      low_freq_factor=float(scaling["low_freq_factor"]),
-      high_freq_factor=float(scaling["high_freq_factor"]),
-    )
   c = model_config(
     vocab_size=num("vocab_size"),
     hidden_size=hidden,
@@ -94,10 +81,10 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
     layer_types=list(hf["layer_types"]),
     rope_theta=per_layer("rope_theta", 10000.0),
     partial_rotary_factors=per_layer("partial_rotary_factors", 1.0),
-    rope_scaling=scaling,
+    rope_scaling=_rope_scaling(hf.get("rope_scaling")),
     rope_scaling_layer_types=list(hf.get("yarn_only_types", [FULL])),
     intermediate_size=num("intermediate_size"),
-    moe_layers=moe_layers,
+    moe_layers=_moe_layers(hf.get("moe_layers_enum"), L),
     num_experts=num("moe_num_experts", 16),
     num_experts_per_tok=top_k,
     moe_intermediate_size=width,
@@ -112,6 +99,26 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
   c.update({k: v for k, v in (hf.get("stepflash_jax") or {}).items() if k in IMPL_KEYS})
   validate(c)
   return c
+
+
+def _moe_layers(v, num_layers: int) -> list:
+  """moe_layers_enum: "1,2,..." or a list; absent = layers 1..L-1 (the remote code's default)."""
+  if isinstance(v, str):
+    return [int(x) for x in v.split(",") if x.strip()]
+  return list(range(1, num_layers)) if v is None else v
+
+
+def _rope_scaling(s: dict | None) -> dict | None:
+  """config.json's rope_scaling (llama3 keys) as model_config takes it; None = no scaling."""
+  if s is None:
+    return None
+  return dict(
+    rope_type=s.get("rope_type", s.get("type", "llama3")),
+    factor=float(s["factor"]),
+    original_max_position_embeddings=int(s["original_max_position_embeddings"]),
+    low_freq_factor=float(s["low_freq_factor"]),
+    high_freq_factor=float(s["high_freq_factor"]),
+  )
 
 
 IMPL_KEYS = ("dtype", "attention_impl", "moe_impl", "scan_layers", "remat", "expert_parallel", "context_full")

@@ -24,6 +24,7 @@ import os
 import sys
 from typing import Any, Callable, Mapping
 
+from stepflash_jax.checks import is_number
 from stepflash_jax.data import tasks, verifiers
 from stepflash_jax.data.tasks import base
 
@@ -68,7 +69,7 @@ def _fields(record: Any, require_response: bool) -> dict[str, Any]:
     raise RecordError(f"record must be a JSON object, got {type(record).__name__}")
   prompt = _nonempty_str(record, "prompt")
   reference = record.get("reference")
-  if isinstance(reference, (int, float)) and not isinstance(reference, bool):
+  if is_number(reference):
     record = {**record, "reference": str(reference)}  # numbers become str
   reference = _nonempty_str(record, "reference", "a non-empty string or a number")
   verifier = _nonempty_str(record, "verifier") if "verifier" in record else DEFAULT_VERIFIER

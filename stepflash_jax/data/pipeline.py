@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import grain
 import numpy as np
 
+from stepflash_jax.checks import is_int
 from stepflash_jax.data import tasks
 from stepflash_jax.data.tokenizer import Tokenizer
 
@@ -43,7 +44,7 @@ DEFAULT_NUM_EXAMPLES = 2**20  # problems per epoch
 
 
 def _check_positive(name: str, value: Any) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+  if not is_int(value) or value <= 0:
     raise ValueError(f"{name} must be a positive int, got {value!r}")
   return int(value)
 

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.masks import MASK_VALUE
+from stepflash_jax.checks import is_int
 
 IMPLEMENTATIONS = ("reference", "chunked")
 DEFAULT_CHUNK = 8192  # columns per block: 8192 x 4096 tokens x 4 bytes = 128 MiB per block at the real sizes
@@ -34,7 +35,7 @@ def _check(hidden, weight, targets, chunk_size):
     raise ValueError(f"token_logprobs: need hidden [N, H] and weight [H, V], got {hidden.shape} and {weight.shape}")
   if targets.shape != hidden.shape[:1] or not jnp.issubdtype(targets.dtype, jnp.integer):
     raise ValueError(f"token_logprobs: targets must be integer [N] = [{hidden.shape[0]}], got {targets.shape}")
-  if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+  if not is_int(chunk_size) or chunk_size <= 0:
     raise ValueError(f"token_logprobs: chunk_size must be a positive int, got {chunk_size!r}")
 
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from stepflash_jax import model as model_lib
 from stepflash_jax import parallel
+from stepflash_jax.checks import is_number
 from stepflash_jax.data import tasks
 from stepflash_jax.data.pipeline import example_dataset
 from stepflash_jax.data.tokenizer import symbols
@@ -295,7 +296,7 @@ def check_config(c) -> None:
     config_error("reward_model.train", f"must be kinds of {rm_lib.KINDS} including {learned}, got {tuple(m.train)}")
   sizes = ("train_prompts", "test_prompts", "sample_batch", "steps", "batch_size", "max_len", "score_batch")
   for n, v in [(n, m[n]) for n in sizes] + [(f"lr.{k}", m.lr.get(k)) for k in m.train]:
-    if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
+    if not (is_number(v) and v > 0):
       config_error(f"reward_model.{n}", f"must be > 0, got {v!r}")
   if m.batch_size > m.train_prompts:
     config_error("reward_model.batch_size", f"{m.batch_size} exceeds the {m.train_prompts} training pairs")

@@ -59,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from stepflash_jax import model as M
+from stepflash_jax.checks import is_int
 from stepflash_jax.model.cache import init_cache
 from stepflash_jax.sampling.calls import cast_variables, model_call
 from stepflash_jax.sampling.continuous import generate_continuous
@@ -171,7 +172,7 @@ class RolloutEngine:
     Q, N = prompts.shape[0], self.max_new_tokens
     if self.spec_decode:
       raise ValueError("generate_queue: continuous batching decodes one token per step (spec_decode must be off)")
-    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= Q:
+    if not is_int(slots) or not 1 <= slots <= Q:
       raise ValueError(f"generate_queue: slots must be an int in [1, {Q}] (the number of prompts), got {slots!r}")
     limits = jnp.full((Q,), N, jnp.int32) if limits is None else jnp.asarray(limits)
     if limits.shape != (Q,) or not jnp.issubdtype(limits.dtype, jnp.integer):

@@ -23,6 +23,8 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from stepflash_jax.checks import is_int
+
 
 def _scalar(key: str, v):
   """int/bool -> int, other real scalars (numpy, 0-d jax/np arrays) -> float."""
@@ -141,7 +143,7 @@ class MetricsWriter:
 
 
 def _fmt_num(v) -> str:
-  if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+  if is_int(v):
     return str(int(v))
   v = float(v)
   if v != v or v in (math.inf, -math.inf):

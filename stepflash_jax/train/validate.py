@@ -7,6 +7,7 @@ import os
 from stepflash_jax import config as model_config_lib
 from stepflash_jax.agents import envs
 from stepflash_jax.agents.tools import CALL_CLOSE
+from stepflash_jax.checks import is_int, is_number
 from stepflash_jax.data import tasks
 from stepflash_jax.data.tokenizer import DEFAULT_FAMILIES, symbols
 from stepflash_jax.optim.muon import PE_SAFETY_SCHEDULES
@@ -29,14 +30,10 @@ def _mixture(field, spec):
     _err(field, str(e))
 
 
-def _number(x) -> bool:
-  return isinstance(x, (int, float)) and not isinstance(x, bool)  # True is an int to Python, not to a config
-
-
 def _positive(c, section, names):
   for n in names:
     v = c[section][n]
-    if not (_number(v) and v > 0):
+    if not (is_number(v) and v > 0):
       _err(f"{section}.{n}", f"must be > 0, got {v!r}")
 
 
@@ -166,28 +163,28 @@ def _check_rl(c):
     if n % r[k]:
       _err(f"rl.{k}", f"{r[k]} does not divide the generation's {n} responses")
   slots = r.get("rollout_slots", 0)
-  if isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots <= n:
+  if not is_int(slots) or not 0 <= slots <= n:
     _err(
       "rl.rollout_slots",
       f"must be an integer in [0, {n}] (0 = static batching; at most the {n} responses), got {slots!r}",
     )
-  if isinstance(over := r.get("oversample", 1), bool) or not isinstance(over, int) or over < 1:
+  if not is_int(over := r.get("oversample", 1)) or over < 1:
     _err("rl.oversample", f"must be an integer >= 1 (prompts sampled per prompt trained; 1 = all), got {over!r}")
   micro = r.get("micro_batch", 0)
-  if isinstance(micro, bool) or not isinstance(micro, int) or micro < 0:
+  if not is_int(micro) or micro < 0:
     _err("rl.micro_batch", f"must be an integer >= 0 (rows per model pass; 0 = the whole batch), got {micro!r}")
   for rows, what in [(n, "generation")] + [(n // r[k], f"mini-batches of rl.{k}={r[k]}") for k in MINIBATCHES]:
     if micro and rows > micro and rows % micro:  # a batch no larger than micro_batch is one pass
       _err("rl.micro_batch", f"{micro} does not divide the {rows}-row {what}")
   pack = r.get("pack", 0.0)
-  if not (_number(pack) and 0 <= pack <= 1):
+  if not (is_number(pack) and 0 <= pack <= 1):
     _err(
       "rl.pack", f"must be a number in [0, 1] (packed rows as a fraction of the unpacked slots; 0 = off), got {pack!r}"
     )
   if pack and micro:
     _err("rl.pack", f"packed batches run as one model pass: needs rl.micro_batch 0, got {micro}")
   stale = r.get("max_staleness", 0)
-  if isinstance(stale, bool) or not isinstance(stale, int) or stale < 0:
+  if not is_int(stale) or stale < 0:
     _err("rl.max_staleness", f"must be an integer >= 0 (generations between sampling and training), got {stale!r}")
   if not isinstance(r.get("async", False), bool):
     _err("rl.async", f"must be True or False, got {r['async']!r}")
@@ -195,7 +192,7 @@ def _check_rl(c):
     _err("rl.async", "overlapped generation samples generation j + 1 while j trains: needs rl.max_staleness >= 1")
   for name in ("token_bounds", "traj_bounds"):
     b = r[name]
-    pair = isinstance(b, (tuple, list)) and len(b) == 2 and all(_number(x) for x in b)
+    pair = isinstance(b, (tuple, list)) and len(b) == 2 and all(is_number(x) for x in b)
     if not (pair and 0 < b[0] <= 1 <= b[1]):
       _err(f"rl.{name}", f"need a pair (low, high) with 0 < low <= 1 <= high, got {b!r}")
   if r.truncation not in ("bootstrap", "zero", "task"):
@@ -217,7 +214,7 @@ def _check_rl(c):
   if not 0 <= r.get("replay_threshold", 0.0) <= 1:
     _err("rl.replay_threshold", f"must lie in [0, 1] (a routing confidence), got {r.replay_threshold}")
   kl_start = r.get("kl_start", 0)
-  if isinstance(kl_start, bool) or not isinstance(kl_start, int) or kl_start < 0:
+  if not is_int(kl_start) or kl_start < 0:
     _err("rl.kl_start", f"must be an integer generation index >= 0, got {kl_start!r}")
 
 

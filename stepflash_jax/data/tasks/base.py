@@ -24,6 +24,8 @@ import hashlib
 import random
 from typing import Any, Mapping
 
+from stepflash_jax.checks import is_int
+
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 TEST_FRACTION = 0.1
@@ -49,14 +51,14 @@ def check_split(split: str) -> None:
 
 
 def check_difficulty(difficulty: Any, allowed: tuple[int, ...], family: str) -> int:
-  if isinstance(difficulty, bool) or not isinstance(difficulty, int) or difficulty not in allowed:
+  if not is_int(difficulty) or difficulty not in allowed:
     raise ValueError(f"difficulty for {family!r} must be an int in {allowed[0]}..{allowed[-1]}, got {difficulty!r}")
   return difficulty
 
 
 def rng_for(family: str, seed: int, difficulty: int, split: str, variant: Any) -> random.Random:
   """The generator's RNG: a pure function of (family, seed, difficulty, split, variant)."""
-  if isinstance(seed, bool) or not isinstance(seed, int):
+  if not is_int(seed):
     raise ValueError(f"seed must be an int, got {seed!r}")
   return random.Random(derive_seed(family, seed, difficulty, split, variant))
 
