@@ -461,50 +461,6 @@ def test_quantized_engine_adds_mismatch(tiny_cfg, variables, prompts, forward):
     engine(tiny_cfg, quantize="int4")
 
 
-def test_attention_over_the_written_cache_equals_attention_over_the_old_one():
-  """Attention.__call__ reads the keys from the cache after the write (model/attention.py): a ring buffer of
-  S = window slots, one decode token per row at per-row columns, so each write evicts the entry one window back,
-  which the new query no longer sees. Same output as over the old cache followed by the new token (the keys in
-  another order: equal to float rounding); the cache keeps k as [B, Hkv, S, D] and v as [B, Hkv, D, S]."""
-  from stepflash_jax.model.attention import cached_attention, write_cache
-
-  rs = np.random.RandomState(0)
-  b, S, hkv, hq, d, window = 4, 8, 2, 4, 16, 8
-  col = np.array([11, 8, 20, 9], np.int32)  # each row's new column (>= S: the ring is full and wraps)
-  old_cols = col[:, None] - S + (np.arange(S)[None] - (col[:, None] - S)) % S  # the column each slot holds
-  cache = {
-    "k": jnp.asarray(rs.randn(b, hkv, S, d), jnp.float32),
-    "v": jnp.asarray(rs.randn(b, hkv, d, S), jnp.float32),
-    "pos": jnp.asarray(old_cols, jnp.int32),
-  }
-  k, v, q = (jnp.asarray(rs.randn(b, 1, h, d), jnp.float32) for h in (hkv, hkv, hq))
-  pos = jnp.asarray(col[:, None])
-  written = write_cache(cache, k, v, pos, jnp.asarray(col))
-  rows, slot = np.arange(b), col % S
-  np.testing.assert_array_equal(np.asarray(written["pos"])[rows, slot], col)
-  np.testing.assert_array_equal(np.asarray(written["k"])[rows, :, slot], np.asarray(k)[:, 0])
-  np.testing.assert_array_equal(np.asarray(written["v"])[rows, :, :, slot], np.asarray(v)[:, 0])
-  # one scalar start column for all rows writes the same slots as per-row columns that are all equal
-  same = write_cache(cache, k, v, pos, jnp.asarray(np.full(b, 13, np.int32)))
-  for key, x in write_cache(cache, k, v, pos, 13).items():
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(same[key]))
-
-  def over_old(w):  # the old cache, then the new token
-    return cached_attention(
-      q,
-      jnp.concatenate([cache["k"], jnp.swapaxes(k, 1, 2)], 2),
-      jnp.concatenate([cache["v"], jnp.transpose(v, (0, 2, 3, 1))], 3),
-      pos,
-      jnp.concatenate([cache["pos"], pos], 1),
-      w,
-    )
-
-  new = cached_attention(q, written["k"], written["v"], pos, written["pos"], window)
-  np.testing.assert_allclose(np.asarray(new), np.asarray(over_old(window)), rtol=1e-6, atol=1e-6)
-  # the evicted entry was one window back: were it visible, the two would differ
-  assert np.abs(np.asarray(over_old(window + 1)) - np.asarray(new)).max() > 1e-3
-
-
 def test_bf16_cache_stored_in_fp32_on_cpu_changes_no_output(tiny_cfg, variables, prompts, monkeypatch):
   """model/cache.py: on a CPU backend a bf16 engine keeps bf16 keys / values in an fp32 cache. Every output equals
   that of bf16 storage: the tokens bit for bit, log-probs and routing confidences to float rounding (attention's
