@@ -199,6 +199,8 @@ def test_normalizer_switch(batch):
   np.testing.assert_allclose(l_num, ref_loss * keep.sum() / 100.0, rtol=1e-5)
   with pytest.raises(ValueError, match="normalizer"):
     losses.mispo_loss(logp, logp_old, logp_rollout, adv, mask, normalizer="tokens")
+  with pytest.raises(ValueError, match="normalizer must be a number > 0, got True"):
+    losses.mispo_loss(logp, logp_old, logp_rollout, adv, mask, normalizer=True)
   with pytest.raises(ValueError, match="traj_bounds"):
     losses.mispo_loss(logp, logp_old, logp_rollout, adv, mask, traj_bounds=(1.001, 0.996))
   with pytest.raises(ValueError, match=r"token_bounds must be a pair \(low, high\) of numbers, got \(0.5, 1, 2\)"):

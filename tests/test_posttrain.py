@@ -118,6 +118,7 @@ def test_distilled_tool_transcript_is_the_sft_answer_format(tmp_path):
   "field, value, message",
   [
     ("pipeline.expert_steps", 0, "pipeline.expert_steps"),
+    ("pipeline.expert_steps", True, "pipeline.expert_steps"),  # a bool is not a count
     ("distill.filters", ("correct", "nope"), "distill.filters"),
     ("distill.length_budget", 0.5, "distill.length_budget"),
     ("pipeline.agent.turn_tokens", 0, r"pipeline\.agent\.turn_tokens.*in pipeline\.domains\.tool"),

@@ -27,6 +27,7 @@ import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 
 from stepflash_jax.caches import cache_dir
+from stepflash_jax.checks import is_int
 from stepflash_jax.files import atomic_write
 from stepflash_jax.data import tasks
 
@@ -104,7 +105,7 @@ def train_tokenizer(
 ) -> str:
   """Trains the SentencePiece model on `lines` (default `corpus(families)`) with the families' `symbols` and
   writes it atomically to `model_path`."""
-  if not isinstance(vocab_size, int) or vocab_size < 300:
+  if not is_int(vocab_size) or vocab_size < 300:
     raise ValueError(f"vocab_size must be an int >= 300 (256 byte pieces + specials), got {vocab_size!r}")
   lines = corpus(families) if lines is None else lines
   model = sp_pb2.ModelProto.FromString(_train_proto(lines, vocab_size, symbols(families)))

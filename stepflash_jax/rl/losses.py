@@ -29,6 +29,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from stepflash_jax.checks import is_number
 from stepflash_jax.rl.checks import check_arrays, fail
 
 sg = jax.lax.stop_gradient
@@ -52,8 +53,8 @@ def _denominator(fn: str, normalizer, n_valid, n_kept=None):
       return jnp.maximum(n_kept, 1.0)
     allowed = "'valid', 'kept'" if n_kept is not None else "'valid'"
     raise ValueError(f"{fn}: normalizer must be {allowed} or a positive number, got {normalizer!r}")
-  if isinstance(normalizer, (int, float)) and not normalizer > 0:
-    raise ValueError(f"{fn}: a numeric normalizer must be > 0, got {normalizer!r}")
+  if isinstance(normalizer, bool) or (is_number(normalizer) and not normalizer > 0):
+    raise ValueError(f"{fn}: a numeric normalizer must be a number > 0, got {normalizer!r}")
   return jnp.asarray(normalizer, jnp.float32)
 
 

@@ -36,6 +36,7 @@ from stepflash_jax import caches, hf, host
 from stepflash_jax import config as config_lib
 from stepflash_jax import model as model_lib
 from stepflash_jax import parallel
+from stepflash_jax.checks import is_int
 from stepflash_jax.data import load_tokenizer_dir, tasks
 from stepflash_jax.data.pipeline import example_dataset
 from stepflash_jax.files import atomic_write
@@ -145,7 +146,7 @@ def student_rl_config(config, **rl):
 
 def _check_distill(d, where: str) -> None:
   for f in ("prompts", "samples", "keep"):
-    if not (isinstance(d[f], int) and d[f] > 0):
+    if not (is_int(d[f]) and d[f] > 0):
       raise ValueError(f"config field '{where}.{f}': must be an int > 0, got {d[f]!r}")
   if not d.length_budget >= 1:
     raise ValueError(f"config field '{where}.length_budget': must be >= 1, got {d.length_budget}")
@@ -184,7 +185,7 @@ def check_config(config) -> None:
   if len(learned) > 1:  # they would train the shared reward models at the same time, in one directory
     raise ValueError("config field 'pipeline.chains': the domains with a learned reward must be in one group")
   for f in ("expert_steps", "student_sft_steps", "student_rl_steps"):
-    if not (isinstance(p[f], int) and p[f] > 0):
+    if not (is_int(p[f]) and p[f] > 0):
       raise ValueError(f"config field 'pipeline.{f}': must be an int > 0, got {p[f]!r}")
   _check_distill(config.distill, "distill")
   stages = {f"pipeline.domains.{n}": domain_config(config, n) for n in p.domains}

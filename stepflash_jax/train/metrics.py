@@ -23,7 +23,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from stepflash_jax.checks import is_int
+from stepflash_jax.checks import is_int, is_number
 
 
 def _scalar(key: str, v):
@@ -309,15 +309,13 @@ def summary_table(
       return ""
     if isinstance(v, (bool, np.bool_)):
       return str(bool(v))
-    if isinstance(v, (int, float, np.integer, np.floating)):
+    if is_number(v):
       return _fmt_num(v)
     return str(v).replace("|", "\\|").replace("\n", " ")
 
   def numeric(c):
     vals = [r[c] for r in rows if r.get(c) is not None]
-    return bool(vals) and all(
-      isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)) for v in vals
-    )
+    return bool(vals) and all(map(is_number, vals))
 
   body = [[cell(r.get(c)) for c in columns] for r in rows]
   widths = [max([len(h), 3] + [len(b[j]) for b in body]) for j, h in enumerate(headers)]

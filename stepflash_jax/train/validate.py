@@ -127,7 +127,7 @@ def _check_agent(c):
   if a.env not in envs.ENVIRONMENTS:
     _err("agent.env", f"must be one of {sorted(envs.ENVIRONMENTS)}, got {a.env!r}")
   for n in ("max_turns", "turn_tokens", "workers"):
-    if isinstance(a[n], bool) or not isinstance(a[n], int) or a[n] < 1:
+    if not is_int(a[n]) or a[n] < 1:
       _err(f"agent.{n}", f"must be an int >= 1, got {a[n]!r}")
   if a.executor not in ("local", "ray"):
     _err("agent.executor", f"must be 'local' or 'ray', got {a.executor!r}")
