@@ -2,7 +2,7 @@
 gold scorer with Bradley-Terry noise, a BT reward model and a pairwise GenRM trained on them, then MIS-PO with the
 GenRM's win rate against the reference answer (length penalty on) as the reward; the gold score is only logged.
 
-  python experiments/run.py --config=configs/preference.py          # 10.4-17.4 min on 2 cores (2026-12-02), runs/preference
+  python experiments/run.py --config=configs/preference.py          # 10.4-17.4 min, 2 cores (2026-12-02)
   python experiments/run.py --config=configs/preference.py:small    # 4.3 min smoke run of every stage (compilation)
   python experiments/run.py --config=configs/preference.py --config.reward_model.length_penalty=0 \
       --config.rl.sft_workdir=runs/preference/sft --config.reward_model.workdir=runs/preference \

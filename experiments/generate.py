@@ -19,7 +19,8 @@ printed (a trailing incomplete UTF-8 character waits for its remaining bytes). -
 (RolloutEngine(spec_decode=True).generate): one compiled call for the whole answer, so its output is printed per
 call (all at once), not per token; under greedy decoding its ids equal plain decoding's.
 
-Measured on the tiny fixture (python experiments/make_fixture.py --out /tmp/t, 2 CPU cores, 2026-12-02), --prompt "What is 12 + 7?" --temperature 0 (22 prompt tokens), compiles included:
+Measured on the tiny fixture (python experiments/make_fixture.py --out /tmp/t, 2 CPU cores, 2026-12-02),
+--prompt "What is 12 + 7?" --temperature 0 (22 prompt tokens), compiles included:
   --max_new_tokens 256: 5.5 s for the answer, first text after 3.0 s, ~9 s for the whole command (load 0.8 s);
   --max_new_tokens 256 --mtp: 8.1 s, all text at the end. A chat turn that crosses a power-of-two prompt width
   compiles the prefill / step again (~3 s).

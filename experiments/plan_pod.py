@@ -15,8 +15,9 @@ What is exact and what is estimated:
     scores). remat "none": every layer keeps everything; "block" (model remat=True, what the code does): the
     scanned blocks keep only their input and one block is recomputed at a time, unrolled layers and MTP keep
     everything; "full": as "block" but every layer rematerialised (not implemented in the model: what it would
-    give). With mesh context n every device holds T / n positions of its rows. Logits: never [tokens, V] at once (ops/logprobs.py, vocabulary-chunked): 12 fp32 bytes per token and
-    head (log-prob, log-sum-exp, entropy) plus one [tokens, chunk] block of logits, softmax and gradient.
+    give). With mesh context n every device holds T / n positions of its rows. Logits: never [tokens, V] at
+    once (ops/logprobs.py, vocabulary-chunked): 12 fp32 bytes per token and head (log-prob, log-sum-exp,
+    entropy) plus one [tokens, chunk] block of logits, softmax and gradient.
   * RL: static = actor (params + optimizer) + critic (params + optimizer) + frozen reference params (+ the
     actors of the queued rollouts with rl.async: --rl_max_staleness copies); on top the largest phase: rollout
     (KV cache of all rows + prefill logits), scoring (forward over one micro-batch; the whole generation without
@@ -416,8 +417,8 @@ def sweep(cfg, kw):
   print(
     f"SFT batch {kw['batch']} x {kw['seq_len']} tokens; RL {kw['prompts']} x {kw['samples']} responses of "
     f"{kw['prompt_len']} + {kw['response_len']} tokens, {kw['actor_mb']} actor / {kw['critic_mb']} critic "
-    f"mini-batches, micro_rows {kw['micro_rows'] or 'off'}; remat {kw['remat']}; GiB per device; max tok = tokens per device per step that fit in 90% "
-    "HBM after the static part\n"
+    f"mini-batches, micro_rows {kw['micro_rows'] or 'off'}; remat {kw['remat']}; GiB per device; "
+    "max tok = tokens per device per step that fit in 90% HBM after the static part\n"
   )
   print(
     "| hardware | mesh | SFT static | SFT max tok | SFT step (rows/dev) | RL resident | RL max tok (actor) | "

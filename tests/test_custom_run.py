@@ -101,7 +101,8 @@ def test_custom_config_checks_name_the_field(fixture_dir, tmp_path):
   with pytest.raises(ValueError, match="config field 'train.steps'"):  # without a checkpoint to start from
     validate_run_config(c)
   out = subprocess.run(
-    [sys.executable, os.path.join(ROOT, "experiments", "run.py"), "--config=" + os.path.join(ROOT, "configs", "custom.py:small"),
+    [sys.executable, os.path.join(ROOT, "experiments", "run.py"),
+     "--config=" + os.path.join(ROOT, "configs", "custom.py:small"),
      f"--config.model.hf_dir={tmp_path}", f"--workdir={tmp_path / 'w'}"],
     capture_output=True, text=True, timeout=300,
   )  # fmt: skip

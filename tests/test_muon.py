@@ -1,4 +1,4 @@
-"""Tests for stepflash_jax.optim.muon (StepFun Muon: Polar Express fp16 + AdamW), against NumPy / optax / known numbers."""
+"""stepflash_jax.optim.muon (StepFun Muon: Polar Express fp16 + AdamW) against NumPy, optax and known numbers."""
 
 import math
 import os

@@ -126,7 +126,8 @@ def test_host_files_keep_their_mode_owner_and_times(tmp_path):
   os.chmod(target, 0o644)
   before = os.stat(target)
   code = (
-    f"import os\nfor f in (lambda p: os.chmod(p, 0o4777), lambda p: os.chown(p, 1, 1), lambda p: os.utime(p, (0, 0))):\n"
+    f"import os\n"
+    f"for f in (lambda p: os.chmod(p, 0o4777), lambda p: os.chown(p, 1, 1), lambda p: os.utime(p, (0, 0))):\n"
     f"  try:\n    f({str(target)!r}); print('changed')\n  except OSError as e:\n    print('denied', e.errno)"
   )
   r = sandbox.run_python(code)

@@ -2,8 +2,9 @@
 8 fake CPU devices, compared with one device.
 
 The multi-device checks run in ONE subprocess (tests/sharding_worker.py: XLA_FLAGS set before jax is imported,
-fast-compile XLA flags) so the rest of the suite keeps its single device; the tests below assert on its JSON report. Regenerate the golden PartitionSpecs with
-    UPDATE_GOLDEN=1 /work/venv/bin/pytest tests/test_sharding.py -k golden
+fast-compile XLA flags) so the rest of the suite keeps its single device; the tests below assert on its JSON
+report. Regenerate the golden PartitionSpecs with
+    UPDATE_GOLDEN=1 python -m pytest tests/test_sharding.py -k golden
 """
 
 import json

@@ -13,7 +13,8 @@ continuous vs static batching, and against transformers' `generate`.
    allocated).
 3. MTP-3 speculative decoding: acceptance rate, tokens per main-model call and wall-time speed-up over plain cached
    decoding, greedy and temperature 1, for the untrained tiny model and one trained for `train_steps` AdamW steps
-   (main + 0.3 * MTP loss, batch 8 x 48 tokens) on a noisy Markov chain (x_{t+1} = f(x_t) with prob. 0.9, else uniform over 64 tokens).
+   (main + 0.3 * MTP loss, batch 8 x 48 tokens) on a noisy Markov chain (x_{t+1} = f(x_t) with prob. 0.9, else
+   uniform over 64 tokens).
 4. Continuous vs static batching on a mix of short and long responses: 4 x `batch` requests in random order, a
    quarter with a budget of `new_tokens` tokens and the rest `new_tokens / 16`, temperature 1, bf16. Static: groups
    of `batch` requests in queue order, each decoded until its longest budget (an engine per budget); continuous:
@@ -248,7 +249,8 @@ def section_continuous(cfg, v, a):
   t_static, t_cont = timed(static, a.reps), timed(cont, a.reps)
   tokens = int(limits.sum())  # EOS is rare for the untrained model: every response runs to its budget
   print(
-    f"\n4. continuous vs static batching: {Q} requests ({Q // 4} x {N} + {Q - Q // 4} x {short} tokens), {B} slots, bf16"
+    f"\n4. continuous vs static batching: {Q} requests ({Q // 4} x {N} + {Q - Q // 4} x {short} tokens), "
+    f"{B} slots, bf16"
   )
   print(f"   static     {t_static:7.2f} s  {tokens / t_static:8.0f} tok/s")
   print(
@@ -331,7 +333,8 @@ def section_hf_generate(a):
   got, ref = np.asarray(ours(0)["response"]), theirs(0).numpy()
   agree = float(np.mean(got[:, : ref.shape[1]] == ref))
   print(
-    f"\n5. vs transformers' generate: {B} prompts x {P} tokens + {N} new, greedy, float32 ({note}, torch {torch.__version__})"
+    f"\n5. vs transformers' generate: {B} prompts x {P} tokens + {N} new, greedy, float32 "
+    f"({note}, torch {torch.__version__})"
   )
   print(f"   transformers {t_hf:7.2f} s  {B * N / t_hf:8.0f} tok/s")
   print(f"   ours         {t_ours:7.2f} s  {B * N / t_ours:8.0f} tok/s   ratio {t_hf / t_ours:.2f}x (goal >= 3)")

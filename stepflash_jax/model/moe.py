@@ -9,7 +9,8 @@ Dropless: tokens are sorted by expert and the experts run as grouped matmuls (`o
 scales with the routed rows, not with the number of experts. Under parallel.use_mesh with expert_parallel set
 (ModelArgs.expert_parallel, e.g. "auto") the routed experts run expert-parallel in a shard_map instead
 (model/moe_parallel.py: same result, tokens exchanged between the devices holding their experts).
-Statistics for load balancing and routing confidence are sown into the "moe_stats" collection (`apply(..., mutable=["moe_stats"])`).
+Statistics for load balancing and routing confidence are sown into the "moe_stats" collection
+(`apply(..., mutable=["moe_stats"])`).
 """
 
 import flax.linen as nn

@@ -8,7 +8,8 @@ For hidden states h [N, H], head weight W [H, V] and targets y [N] (all results 
 
 Implementations (``implementation=``):
   "reference"  the full [N, V] fp32 logits, then log_softmax (what SFT, scoring and the losses did before).
-  "chunked"    a scan over vocabulary chunks of `chunk_size` columns (the last one padded) with an online (max-shifted) accumulation
+  "chunked"    a scan over vocabulary chunks of `chunk_size` columns (the last one padded) with an online
+               (max-shifted) accumulation
                m = running max, s = sum exp(z - m), t = sum exp(z - m) z, plus the target's logit; lse = m + log s,
                ent = lse - t / s. custom_vjp: the backward pass recomputes each chunk's logits and forms
                  dz = g_logp (onehot(y) - p) + g_lse p - g_ent p (z - E_p[z])

@@ -1,5 +1,5 @@
-"""Parallelism: the device mesh and logical-axis rules (mesh.py), the expert-parallel MoE lives in model/moe_parallel.py;
-per-device kernels under GSPMD (local_ops.py), multi-host helpers (multihost.py),
+"""Parallelism: the device mesh and logical-axis rules (mesh.py; the expert-parallel MoE lives in
+model/moe_parallel.py), per-device kernels under GSPMD (local_ops.py), multi-host helpers (multihost.py),
 independent programs side by side (threads.py), independent stages in processes, work beside a stage (processes.py).
 
     mesh = parallel.make_mesh(config.mesh)                 # data / fsdp / expert / tensor
