@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
@@ -19,6 +21,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=1 --xla_llv
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="stepflash-test-xla-")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
+  # removed when the process that made it exits (pytest itself: its xdist workers inherit the variable and exit first)
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
