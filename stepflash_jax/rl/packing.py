@@ -5,7 +5,8 @@ job ~40% of those slots are padding. `add` places each sequence's span (first to
 first-fit, longest first, into `rows` rows of W = 4T slots (wide rows: the bins fill well even at 16 sequences),
 each sequence with its own segment id in its row and its own positions; the model sees the same tokens, positions
 and visibility (attention never crosses segments), so every real token's output is the unpacked one. `unpack`
-gathers outputs back to [n, T], so losses, advantages and metrics are unchanged. Slots outside every span read and give zeros.
+gathers outputs back to [n, T], so losses, advantages and metrics are unchanged. Slots outside every span read and
+give zeros.
 
 Host fields added to a batch (numpy int32): pack_src [rows, W] (flat index n * t + col of the unpacked slot each
 packed slot holds; n * T = empty), pack_seg [rows, W] (1, 2, ... per sequence in the row; 0 = empty), pack_dest

@@ -53,7 +53,7 @@ def check_split(split: str) -> None:
 def check_difficulty(difficulty: Any, allowed: tuple[int, ...], family: str) -> int:
   if not is_int(difficulty) or difficulty not in allowed:
     raise ValueError(f"difficulty for {family!r} must be an int in {allowed[0]}..{allowed[-1]}, got {difficulty!r}")
-  return difficulty
+  return int(difficulty)  # a numpy int becomes a Python int (examples are written as JSON)
 
 
 def rng_for(family: str, seed: int, difficulty: int, split: str, variant: Any) -> random.Random:
