@@ -1,3 +1,5 @@
+"""stepflash_jax.checks: the type tests every bad-value check uses (a bool is neither an int nor a number)."""
+
 import math
 
 import jax.numpy as jnp
