@@ -36,7 +36,8 @@ def parse_flags(argv: list[str]) -> list[str]:
     if "config" in flags.FLAGS:  # a file that could not be loaded: ml_collections defers the error to a first use
       flags.FLAGS.config.get
   except flags.Error as e:  # ml_collections embeds the config file's traceback: its last line is the error
-    sys.exit(f"error: {lines(e)[0]}" + (f" {lines(e)[-1]}" if len(lines(e)) > 1 else ""))
+    first, *rest = lines(e)
+    sys.exit(f"error: {first}" + (f" {rest[-1]}" if rest else ""))
   except OSError as e:  # that first use (an override, or the check above)
     sys.exit(f"error: --config: {lines(e)[-1]}")
   except (AttributeError, KeyError) as e:

@@ -144,10 +144,14 @@ def student_rl_config(config, **rl):
   return stage_config(config, **sections)
 
 
+def _positive_ints(section, where: str, names) -> None:
+  for f in names:
+    if not (is_int(section[f]) and section[f] > 0):
+      raise ValueError(f"config field '{where}.{f}': must be an int > 0, got {section[f]!r}")
+
+
 def _check_distill(d, where: str) -> None:
-  for f in ("prompts", "samples", "keep"):
-    if not (is_int(d[f]) and d[f] > 0):
-      raise ValueError(f"config field '{where}.{f}': must be an int > 0, got {d[f]!r}")
+  _positive_ints(d, where, ("prompts", "samples", "keep"))
   if not d.length_budget >= 1:
     raise ValueError(f"config field '{where}.length_budget': must be >= 1, got {d.length_budget}")
   distill.check_filters(d.filters)
@@ -184,9 +188,7 @@ def check_config(config) -> None:
   learned = {i for i, g in enumerate(p.chains) for d in g if domain_config(config, d).rl.reward != config.rl.reward}
   if len(learned) > 1:  # they would train the shared reward models at the same time, in one directory
     raise ValueError("config field 'pipeline.chains': the domains with a learned reward must be in one group")
-  for f in ("expert_steps", "student_sft_steps", "student_rl_steps"):
-    if not (is_int(p[f]) and p[f] > 0):
-      raise ValueError(f"config field 'pipeline.{f}': must be an int > 0, got {p[f]!r}")
+  _positive_ints(p, "pipeline", ("expert_steps", "student_sft_steps", "student_rl_steps"))
   _check_distill(config.distill, "distill")
   stages = {f"pipeline.domains.{n}": domain_config(config, n) for n in p.domains}
   for n, c in stages.items():
