@@ -138,9 +138,25 @@ def test_hf_config_missing_keys_mean_what_the_reference_reads():
   # a size of the wrong type names its key (256.0 is the integer 256: JSON writers differ)
   assert sfj.from_hf_config(dict(hf, hidden_size=float(hf["hidden_size"]))).hidden_size == hf["hidden_size"]
   bad = [("hidden_size", "4096", "an integer"), ("moe_top_k", 2.5, "an integer"), ("num_hidden_layers", True, "an")]
-  for key, value, kind in bad + [("rms_norm_eps", "1e-5", "a number")]:
+  nullable = [("sliding_window", "64", "an integer"), ("share_expert_dim", 1.5, "an integer")]
+  nullable += [("max_position_embeddings", "262144", "an integer"), ("rope_theta", "1e4", "a number")]
+  for key, value, kind in bad + nullable + [("rms_norm_eps", "1e-5", "a number")]:
     with pytest.raises(ValueError, match=rf"config.json: '{key}' must be {kind}.*got {value!r}"):
       sfj.from_hf_config(dict(hf, **{key: value}))
+  # and inside lists and nested settings, by the place of the bad entry
+  nested = [
+    (
+      dict(attention_other_setting=dict(hf["attention_other_setting"], num_attention_heads="96")),
+      r"setting\.num_attention_heads'",
+    ),
+    (dict(swiglu_limits=[0.0] * 47 + ["7"]), r"'swiglu_limits\[47\]' must be a number"),
+    (dict(moe_layers_enum="1,2,x"), r"'moe_layers_enum' must be an integer, got 'x'"),
+    (dict(moe_layers_enum=3), r"'moe_layers_enum' must be a list"),
+    (dict(rope_scaling={k: v for k, v in hf["rope_scaling"].items() if k != "factor"}), r"'rope_scaling\.factor'"),
+  ]
+  for update, message in nested:
+    with pytest.raises(ValueError, match=message):
+      sfj.from_hf_config(dict(hf, **update))
 
 
 def test_router_stored_in_bf16_loads_as_fp32(ckpt, tmp_path):

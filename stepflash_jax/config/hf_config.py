@@ -14,6 +14,13 @@ from stepflash_jax.config.defaults import FULL, SWA, model_config
 UNSUPPORTED = dict(use_moe_router_bias=True, use_head_wise_attn_gate=True, tie_word_embeddings=False)
 
 
+def _number(key: str, v, cast=int):
+  """v as an int (cast=int: integral values only) or a float, or a ValueError naming config.json's key."""
+  if not (is_int(v) or (is_number(v) and (cast is float or float(v).is_integer()))):
+    raise ValueError(f"config.json: '{key}' must be {'an integer' if cast is int else 'a number'}, got {v!r}")
+  return cast(v)
+
+
 def _check_supported(hf: dict) -> None:
   """ValueError naming a config.json setting this model implements one way only (UNSUPPORTED, RoPE on every layer,
   one KV head count for both attention types)."""
@@ -23,7 +30,8 @@ def _check_supported(hf: dict) -> None:
   if not all(hf.get("use_rope_layers") or [True]):
     raise ValueError("config.json: 'use_rope_layers' turns RoPE off on some layers; not supported")
   kv, other = hf.get("num_attention_groups"), hf.get("attention_other_setting") or {}
-  if kv is not None and int(other.get("num_attention_groups", kv)) != int(kv):
+  key = "attention_other_setting.num_attention_groups"
+  if kv is not None and _number(key, other.get("num_attention_groups", kv)) != _number("num_attention_groups", kv):
     raise ValueError(
       f"config.json: 'attention_other_setting.num_attention_groups' = {other['num_attention_groups']} differs "
       f"from 'num_attention_groups' = {kv}; this model has one KV head count for every layer"
@@ -47,10 +55,11 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
 
   def num(k, default=None, cast=int):
     """hf[k] (or `default` when absent; required when None) as an int / float, or a ValueError naming k."""
-    v = need(k) if default is None else hf.get(k, default)
-    if not (is_int(v) or (is_number(v) and (cast is float or float(v).is_integer()))):
-      raise ValueError(f"config.json: '{k}' must be {'an integer' if cast is int else 'a number'}, got {v!r}")
-    return cast(v)
+    return _number(k, need(k) if default is None else hf.get(k, default), cast)
+
+  def nullable(k, default):
+    """hf[k] as an int, `default` when absent, null or 0 (keys the released files may leave null)."""
+    return _number(k, hf.get(k) or default)
 
   _check_supported(hf)
   n_lists = len(need("layer_types"))
@@ -61,12 +70,14 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
   other = hf.get("attention_other_setting") or {}
   kv_heads, heads, hidden = num("num_attention_groups"), num("num_attention_heads"), num("hidden_size")
   top_k, width = num("moe_top_k", 4), num("moe_intermediate_size", 10240)
-  max_pos = int(hf.get("max_position_embeddings") or hf.get("max_seq_len") or 262144)
+  max_pos = nullable("max_position_embeddings", nullable("max_seq_len", 262144))
 
   def per_layer(key, default):
     v = hf.get(key, default)
     v = default if v is None else v
-    return [float(x or 0.0) for x in v] if isinstance(v, (list, tuple)) else [float(v)] * n_lists
+    if isinstance(v, (list, tuple)):
+      return [_number(f"{key}[{i}]", x or 0.0, float) for i, x in enumerate(v)]
+    return [_number(key, v, float)] * n_lists
 
   c = model_config(
     vocab_size=num("vocab_size"),
@@ -75,9 +86,9 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
     num_layers=L,
     num_mtp_layers=mtp,
     num_heads=heads,
-    num_heads_swa=int(other.get("num_attention_heads", heads)),
+    num_heads_swa=_number("attention_other_setting.num_attention_heads", other.get("num_attention_heads", heads)),
     num_kv_heads=kv_heads,
-    sliding_window=int(hf.get("sliding_window") or max_pos),  # null: sliding layers see every earlier token
+    sliding_window=nullable("sliding_window", max_pos),  # null: sliding layers see every earlier token
     layer_types=list(hf["layer_types"]),
     rope_theta=per_layer("rope_theta", 10000.0),
     partial_rotary_factors=per_layer("partial_rotary_factors", 1.0),
@@ -88,7 +99,7 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
     num_experts=num("moe_num_experts", 16),
     num_experts_per_tok=top_k,
     moe_intermediate_size=width,
-    shared_expert_intermediate_size=int(hf.get("share_expert_dim") or width * top_k),
+    shared_expert_intermediate_size=nullable("share_expert_dim", width * top_k),
     routed_scaling_factor=num("moe_router_scaling_factor", 1.0, float),
     norm_expert_weight=bool(hf.get("norm_expert_weight", True)),
     swiglu_limits=per_layer("swiglu_limits", 0.0),
@@ -103,9 +114,21 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
 
 def _moe_layers(v, num_layers: int) -> list:
   """moe_layers_enum: "1,2,..." or a list; absent = layers 1..L-1 (the remote code's default)."""
+  if v is None:
+    return list(range(1, num_layers))
   if isinstance(v, str):
-    return [int(x) for x in v.split(",") if x.strip()]
-  return list(range(1, num_layers)) if v is None else v
+    v = [int(x) if x.strip().isdigit() else x for x in v.split(",") if x.strip()]
+  if not isinstance(v, (list, tuple)):
+    raise ValueError(f"config.json: 'moe_layers_enum' must be a list or a comma-separated string, got {v!r}")
+  return [_number("moe_layers_enum", x) for x in v]
+
+
+_ROPE_KEYS = (
+  ("factor", float),
+  ("original_max_position_embeddings", int),
+  ("low_freq_factor", float),
+  ("high_freq_factor", float),
+)
 
 
 def _rope_scaling(s: dict | None) -> dict | None:
@@ -114,10 +137,7 @@ def _rope_scaling(s: dict | None) -> dict | None:
     return None
   return dict(
     rope_type=s.get("rope_type", s.get("type", "llama3")),
-    factor=float(s["factor"]),
-    original_max_position_embeddings=int(s["original_max_position_embeddings"]),
-    low_freq_factor=float(s["low_freq_factor"]),
-    high_freq_factor=float(s["high_freq_factor"]),
+    **{k: _number(f"rope_scaling.{k}", s.get(k), cast) for k, cast in _ROPE_KEYS},
   )
 
 
