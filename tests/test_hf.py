@@ -159,6 +159,33 @@ def test_hf_config_missing_keys_mean_what_the_reference_reads():
       sfj.from_hf_config(dict(hf, **update))
 
 
+def test_hf_config_without_rope_scaling_is_plain_rope():
+  """rope_scaling absent, null or of rope_type "default" is the reference's unscaled RoPE (ROPE_INIT_FUNCTIONS
+  ["default"]): inv_freq = theta^(-2i/rot) on every layer; other rope types and malformed sections name the key."""
+  c = sfj.model_config()
+  hf = sfj.to_hf_config(c)
+  lean = {k: v for k, v in hf.items() if k != "rope_scaling"}
+  for cfg in (lean, dict(hf, rope_scaling=None), dict(hf, rope_scaling={"rope_type": "default"})):
+    back = sfj.from_hf_config(cfg)
+    assert back.rope_scaling is None
+    layer = sfj.config.model_args(back).layers[0]  # a full-attention layer: the one llama3 scaling would change
+    rot = round(c.head_dim * c.partial_rotary_factors[0])
+    np.testing.assert_allclose(layer.inv_freq, c.rope_theta[0] ** -(np.arange(0, rot, 2) / rot), rtol=1e-12)
+  scaled = sfj.config.model_args(sfj.from_hf_config(hf)).layers[0].inv_freq
+  assert not np.allclose(scaled, layer.inv_freq)  # the released llama3 scaling does change them
+  cases = [
+    (dict(rope_scaling=dict(hf["rope_scaling"], rope_type="yarn")), r"'rope_scaling.rope_type' = 'yarn' is not"),
+    (dict(rope_scaling="llama3"), r"'rope_scaling' must be an object"),
+    (dict(attention_other_setting=[96]), r"'attention_other_setting' must be an object"),
+    (dict(layer_types=48), r"'layer_types' must be a list of strings"),
+    (dict(yarn_only_types="full_attention"), r"'yarn_only_types' must be a list of strings"),
+    (dict(stepflash_jax=dict(scan_layers="no")), r"'stepflash_jax.scan_layers' must be a bool, got 'no'"),
+  ]
+  for update, message in cases:
+    with pytest.raises(ValueError, match=message):
+      sfj.from_hf_config(dict(hf, **update))
+
+
 def test_router_stored_in_bf16_loads_as_fp32(ckpt, tmp_path):
   import ml_dtypes
 

@@ -65,7 +65,7 @@ def validate(c) -> None:
   if c.rope_scaling is not None:
     rs = c.rope_scaling
     _check(
-      rs.get("rope_type", "llama3") in ("llama3", "default"),
+      rs.get("rope_type", "llama3") == "llama3",  # no scaling is rope_scaling=None
       "rope_scaling.rope_type",
       f"only 'llama3' is supported, got {rs.get('rope_type')!r}",
     )

@@ -70,5 +70,8 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
       hf_dir="",
     )
   )
-  c.update(overrides)
+  # update() merges a dict into a sub-dict, so a None (rope_scaling=None: no scaling) is set on its own
+  c.update({k: v for k, v in overrides.items() if v is not None})
+  for k in [k for k, v in overrides.items() if v is None]:
+    c[k] = None
   return c

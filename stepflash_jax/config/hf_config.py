@@ -21,6 +21,22 @@ def _number(key: str, v, cast=int):
   return cast(v)
 
 
+def _section(hf: dict, key: str) -> dict:
+  """hf[key] as a dict ({} when absent or null), or a ValueError naming the key."""
+  v = hf.get(key) or {}
+  if not isinstance(v, dict):
+    raise ValueError(f"config.json: '{key}' must be an object, got {v!r}")
+  return v
+
+
+def _names(hf: dict, key: str, default: list) -> list:
+  """hf[key] as a list of strings (`default` when absent), or a ValueError naming the key."""
+  v = hf.get(key, default)
+  if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
+    raise ValueError(f"config.json: '{key}' must be a list of strings, got {v!r}")
+  return list(v)
+
+
 def _check_supported(hf: dict) -> None:
   """ValueError naming a config.json setting this model implements one way only (UNSUPPORTED, RoPE on every layer,
   one KV head count for both attention types)."""
@@ -29,7 +45,7 @@ def _check_supported(hf: dict) -> None:
       raise ValueError(f"config.json: '{key}' = {hf[key]!r} is not supported (this model implements {value!r})")
   if not all(hf.get("use_rope_layers") or [True]):
     raise ValueError("config.json: 'use_rope_layers' turns RoPE off on some layers; not supported")
-  kv, other = hf.get("num_attention_groups"), hf.get("attention_other_setting") or {}
+  kv, other = hf.get("num_attention_groups"), _section(hf, "attention_other_setting")
   key = "attention_other_setting.num_attention_groups"
   if kv is not None and _number(key, other.get("num_attention_groups", kv)) != _number("num_attention_groups", kv):
     raise ValueError(
@@ -62,12 +78,14 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
     return _number(k, hf.get(k) or default)
 
   _check_supported(hf)
-  n_lists = len(need("layer_types"))
+  need("layer_types")
+  layer_types = _names(hf, "layer_types", [])
+  n_lists = len(layer_types)
   mtp = num("num_nextn_predict_layers", 0)
   L = num("num_hidden_layers")
   if L + mtp != n_lists and L == n_lists:  # some exports count the MTP layers in num_hidden_layers
     L -= mtp
-  other = hf.get("attention_other_setting") or {}
+  other = _section(hf, "attention_other_setting")
   kv_heads, heads, hidden = num("num_attention_groups"), num("num_attention_heads"), num("hidden_size")
   top_k, width = num("moe_top_k", 4), num("moe_intermediate_size", 10240)
   max_pos = nullable("max_position_embeddings", nullable("max_seq_len", 262144))
@@ -89,11 +107,11 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
     num_heads_swa=_number("attention_other_setting.num_attention_heads", other.get("num_attention_heads", heads)),
     num_kv_heads=kv_heads,
     sliding_window=nullable("sliding_window", max_pos),  # null: sliding layers see every earlier token
-    layer_types=list(hf["layer_types"]),
+    layer_types=layer_types,
     rope_theta=per_layer("rope_theta", 10000.0),
     partial_rotary_factors=per_layer("partial_rotary_factors", 1.0),
-    rope_scaling=_rope_scaling(hf.get("rope_scaling")),
-    rope_scaling_layer_types=list(hf.get("yarn_only_types", [FULL])),
+    rope_scaling=_rope_scaling(hf),
+    rope_scaling_layer_types=_names(hf, "yarn_only_types", [FULL]),
     intermediate_size=num("intermediate_size"),
     moe_layers=_moe_layers(hf.get("moe_layers_enum"), L),
     num_experts=num("moe_num_experts", 16),
@@ -107,7 +125,12 @@ def from_hf_config(hf: dict) -> ml_collections.ConfigDict:
     rms_norm_eps=num("rms_norm_eps", 1e-5, float),
     max_position_embeddings=max_pos,
   )
-  c.update({k: v for k, v in (hf.get("stepflash_jax") or {}).items() if k in IMPL_KEYS})
+  for k, v in _section(hf, "stepflash_jax").items():
+    if k in IMPL_KEYS:
+      try:
+        c[k] = v
+      except TypeError:
+        raise ValueError(f"config.json: 'stepflash_jax.{k}' must be a {type(c[k]).__name__}, got {v!r}") from None
   validate(c)
   return c
 
@@ -131,14 +154,16 @@ _ROPE_KEYS = (
 )
 
 
-def _rope_scaling(s: dict | None) -> dict | None:
-  """config.json's rope_scaling (llama3 keys) as model_config takes it; None = no scaling."""
-  if s is None:
+def _rope_scaling(hf: dict) -> dict | None:
+  """config.json's rope_scaling (llama3 keys) as model_config takes it; absent, null or rope_type "default" = no
+  scaling (the reference's ROPE_INIT_FUNCTIONS["default"]); other types are not implemented."""
+  s = _section(hf, "rope_scaling")
+  rope_type = s.get("rope_type", s.get("type", "llama3"))
+  if not s or rope_type == "default":
     return None
-  return dict(
-    rope_type=s.get("rope_type", s.get("type", "llama3")),
-    **{k: _number(f"rope_scaling.{k}", s.get(k), cast) for k, cast in _ROPE_KEYS},
-  )
+  if rope_type != "llama3":
+    raise ValueError(f"config.json: 'rope_scaling.rope_type' = {rope_type!r} is not supported (llama3 or default)")
+  return dict(rope_type=rope_type, **{k: _number(f"rope_scaling.{k}", s.get(k), cast) for k, cast in _ROPE_KEYS})
 
 
 IMPL_KEYS = ("dtype", "attention_impl", "moe_impl", "scan_layers", "remat", "expert_parallel", "context_full")
