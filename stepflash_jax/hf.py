@@ -244,7 +244,7 @@ def load_hf_checkpoint(path: str, **config_overrides):
   dtypes = {str(t.dtype) for n, t in tensors.items() if "router" not in n and "gate.weight" not in n}
   if len(dtypes) == 1:
     cfg.param_dtype = dtypes.pop()
-  cfg.update(config_overrides)
+  config_lib.override(cfg, config_overrides)
   args = config_lib.model_args(cfg)
   with nn.logical_axis_rules(()):  # shapes only: no sharding constraints under a mesh (parallel.use_mesh)
     abstract = model_lib.abstract_variables(args)

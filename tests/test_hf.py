@@ -45,6 +45,19 @@ def test_round_trip_exact_and_same_logits(tiny_cfg, ckpt, tmp_path):
     assert bool(jnp.all(a == b))
 
 
+def test_overrides_name_unknown_fields(ckpt):
+  """A misspelt override is an error naming it, in model_config and in load_hf_checkpoint, not a field kept and
+  ignored; rope_scaling=None switches the scaling off."""
+  with pytest.raises(ValueError, match="model config has no field 'scan_layer'"):
+    sfj.model_config(scan_layer=False)
+  with pytest.raises(ValueError, match=r"no field 'moe_implementation' \(\+1 more\)"):
+    sfj.load_hf_checkpoint(ckpt[1], moe_implementation="xla", remat_policy="none")
+  assert sfj.model_config(rope_scaling=None).rope_scaling is None
+  assert sfj.model_config(rope_scaling=dict(factor=4.0)).rope_scaling.low_freq_factor == 1.0  # the rest kept
+  cfg, _ = sfj.load_hf_checkpoint(ckpt[1], scan_layers=False, remat=True)
+  assert (cfg.scan_layers, cfg.remat) == (False, True)
+
+
 def test_logits_match_independent_numpy_model(tiny_cfg, ckpt):
   _, path = ckpt
   cfg, v = sfj.load_hf_checkpoint(path)

@@ -70,8 +70,21 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
       hf_dir="",
     )
   )
-  # update() merges a dict into a sub-dict, so a None (rope_scaling=None: no scaling) is set on its own
-  c.update({k: v for k, v in overrides.items() if v is not None})
-  for k in [k for k, v in overrides.items() if v is None]:
-    c[k] = None
+  return override(c, overrides)
+
+
+def override(c: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
+  """c with `overrides` set (in place); a name c does not have is a ValueError (a typo such as scan_layer=False
+  would otherwise be kept and ignored). None is set on its own: update() would merge rope_scaling=None (no
+  scaling) into the default dict."""
+  unknown = sorted(set(overrides) - set(c.keys()))
+  if unknown:
+    raise ValueError(
+      f"model config has no field '{unknown[0]}'" + (f" (+{len(unknown) - 1} more)" if unknown[1:] else "")
+    )
+  for k, v in overrides.items():
+    if v is None:
+      c[k] = None
+    else:
+      c.update({k: v})  # a dict updates the fields it names (rope_scaling=dict(factor=4.0))
   return c
