@@ -237,10 +237,15 @@ def resolve_model(config):
 
 
 def load_hf_checkpoint(path: str, **config_overrides):
-  """Directory with config.json + *.safetensors (single or sharded) -> (cfg, variables). A malformed config.json or
-  an unreadable (e.g. truncated) safetensors file raises ValueError naming the file."""
+  """Directory with config.json + *.safetensors (single or sharded) -> (cfg, variables). A malformed config.json, an
+  unreadable (e.g. truncated) safetensors file or a tensor that is missing, unexpected, of the wrong shape or not
+  floating-point raises ValueError naming it. cfg.param_dtype is the stored dtype when the non-router tensors share
+  one, else the config's (float32); every leaf is cast to it, the router to float32."""
   cfg = _model_config(path)
   tensors = _read_tensors(path)
+  for name, t in sorted(tensors.items()):
+    if not jnp.issubdtype(t.dtype, jnp.floating):
+      raise ValueError(f"{path}: tensor '{name}' has dtype {t.dtype}, expected a floating-point dtype")
   dtypes = {str(t.dtype) for n, t in tensors.items() if "router" not in n and "gate.weight" not in n}
   if len(dtypes) == 1:
     cfg.param_dtype = dtypes.pop()
@@ -269,7 +274,8 @@ def load_hf_checkpoint(path: str, **config_overrides):
     if tuple(t.shape) != want:
       raise ValueError(f"tensor '{hf}' has shape {tuple(t.shape)}, expected {want}")
     x = t if nin is None else jnp.swapaxes(t, -1, -2).reshape(shape)
-    x = x.astype(jnp.float32) if col == "router" or "router" in p else x  # the router is fp32 whatever is stored
+    # one dtype for all (a checkpoint of mixed dtypes keeps cfg.param_dtype); the router is fp32 whatever is stored
+    x = jnp.asarray(x, jnp.float32 if col == "router" or "router" in p else cfg.param_dtype)
     staged.setdefault((col, p), {})[stack] = x
   variables = {}
   for (col, p), parts in staged.items():

@@ -93,6 +93,21 @@ def test_bad_tensors_are_named(ckpt, tmp_path):
   _rewrite(path, tmp_path / "shape", lambda W: W.update({name: W[name][:, :-1]}))
   with pytest.raises(ValueError, match="tensor 'model.layers.3.moe.gate_proj.weight' has shape"):
     sfj.load_hf_checkpoint(str(tmp_path / "shape"))
+  _rewrite(path, tmp_path / "int", lambda W: W.update({name: W[name].astype(np.int8)}))
+  with pytest.raises(ValueError, match="tensor 'model.layers.3.moe.gate_proj.weight' has dtype int8, expected a float"):
+    sfj.load_hf_checkpoint(str(tmp_path / "int"))
+
+
+def test_mixed_dtypes_load_as_one(ckpt, tmp_path):
+  """One tensor stored in float16 among float32 ones: every leaf is the config's param_dtype (float32), that one
+  holding its float16 values."""
+  v, path = ckpt
+  name = "model.layers.0.mlp.down_proj.weight"
+  _rewrite(path, tmp_path / "mixed", lambda W: W.update({name: W[name].astype(np.float16)}))
+  cfg, v2 = sfj.load_hf_checkpoint(str(tmp_path / "mixed"))
+  assert cfg.param_dtype == "float32" and {x.dtype for x in jax.tree.leaves(v2)} == {jnp.dtype(jnp.float32)}
+  want = np.asarray(load_file(os.path.join(path, "model.safetensors"))[name]).astype(np.float16).astype(np.float32)
+  np.testing.assert_array_equal(np.asarray(v2["params"]["layer_0"]["mlp"]["down_proj"]["kernel"]).T, want)
 
 
 def test_unreadable_files_are_named(ckpt, tmp_path):
