@@ -2,6 +2,7 @@
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -408,7 +409,7 @@ SIGS = {  # function -> argument names in order (float32 arrays, then the mask)
 
 
 @pytest.mark.parametrize("fn", sorted(SIGS))
-@pytest.mark.parametrize("case", ["shape", "float16", "bfloat16", "mask_rank"])
+@pytest.mark.parametrize("case", ["shape", "float16", "bfloat16", "mask_rank", "not_an_array"])
 def test_bad_inputs_raise(fn, case):
   names = SIGS[fn]
   args = [_bt() for _ in names]
@@ -418,12 +419,34 @@ def test_bad_inputs_raise(fn, case):
     args[-2], needle = _bt(dtype=np.float16), rf"{names[-2]} is float16, expected float32"
   elif case == "bfloat16":
     args[0], needle = jnp.zeros((3, 5), jnp.bfloat16), rf"{names[0]} is bfloat16, expected float32"
-  else:
+  elif case == "mask_rank":
     args[-1], needle = _bt((3, 5, 1)), r"mask must have rank 2"
+  else:
+    args[1], needle = "0.5", rf"{names[1]} must be a numeric array, got str"
   with pytest.raises(ValueError, match=needle) as e:
     getattr(losses, fn)(*args)
   msg = str(e.value)
   assert msg.startswith(fn + ":") and all(f"{k} " in msg.split("Got:")[1] for k in names)
+
+
+def test_bad_options_are_named():
+  """clip_eps (PPO, GSPO), the TIS cap and the value clip: a number > 0 (inf allowed, numpy / jax scalars too, a
+  traced value passes); anything else is a ValueError naming the option."""
+  a = [_bt() for _ in range(5)]
+  calls = {
+    "ppo_loss: clip_eps": lambda v: losses.ppo_loss(*a[:4], clip_eps=v),
+    "gspo_loss: clip_eps": lambda v: losses.gspo_loss(*a, clip_eps=v),
+    "tis_loss: cap": lambda v: losses.tis_loss(*a, cap=v),
+    "value_loss: clip": lambda v: losses.value_loss(a[0], a[1], a[4], old_values=a[2], clip=v),
+  }
+  for where, call in calls.items():
+    for bad in ("0.2", -0.1, 0, True, float("nan"), (0.2,), None if "value" not in where else [0.2]):
+      with pytest.raises(ValueError, match=rf"{where} must be a number > 0, got {re.escape(repr(bad))}"):
+        call(bad)
+    want = float(call(0.2)[0])
+    assert float(call(np.float32(0.2))[0]) == float(call(jnp.float32(0.2))[0]) == want
+    assert float(jax.jit(lambda v: call(v)[0])(0.2)) == pytest.approx(want, abs=1e-7)
+    assert np.isfinite(float(call(float("inf"))[0]))
 
 
 def test_bad_inputs_raise_under_jit():

@@ -11,9 +11,23 @@ def desc(x) -> str:
   dtype = getattr(x, "dtype", None)
   shape = getattr(x, "shape", None)
   if dtype is None or shape is None:
-    x = jnp.asarray(x)
+    try:
+      x = jnp.asarray(x)
+    except TypeError:  # a str, None, a ragged list: not an array at all
+      return type(x).__name__
     dtype, shape = x.dtype, x.shape
   return f"{jnp.dtype(dtype).name}{list(shape)}"
+
+
+def _numeric(x) -> bool:
+  """An array (or nested list) of numbers or bools, not a str, None or ragged list."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    try:
+      dtype = jnp.asarray(x).dtype
+    except TypeError:
+      return False
+  return jnp.dtype(dtype) == jnp.bool_ or jnp.issubdtype(dtype, jnp.number)
 
 
 def fail(fn: str, problem: str, arrays: dict):
@@ -48,6 +62,8 @@ def check_arrays(
   ref_shape = tuple(shape) if shape is not None else tuple(jnp.shape(arrays[ref_name]))
   want = f" {expect}" if expect else ""
   for name, x in arrays.items():
+    if not _numeric(x):
+      fail(fn, f"{name} must be a numeric array, got {type(x).__name__}", shown)
     x_shape = tuple(jnp.shape(x))
     if len(x_shape) != ndim:
       fail(fn, f"{name} must have rank {ndim}{want}, has shape {list(x_shape)}", shown)

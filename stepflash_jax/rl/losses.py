@@ -45,6 +45,17 @@ def _bounds(fn: str, name: str, bounds) -> tuple[float, float]:
   return lo, hi
 
 
+def _positive(fn: str, name: str, v):
+  """A static option > 0 (a clip range, the TIS cap; inf allowed), or a ValueError naming it. A traced value (the
+  caller jits over it) is the caller's to check."""
+  if isinstance(v, jax.core.Tracer):
+    return v
+  scalar = is_number(v) or (isinstance(v, jax.Array) and v.ndim == 0 and jnp.issubdtype(v.dtype, jnp.floating))
+  if not (scalar and v > 0):
+    raise ValueError(f"{fn}: {name} must be a number > 0, got {v!r}")
+  return v
+
+
 def _denominator(fn: str, normalizer, n_valid, n_kept=None):
   if isinstance(normalizer, str):
     if normalizer == "valid":
@@ -195,6 +206,7 @@ def ppo_loss(logp, logp_old, advantages, mask, clip_eps=0.2, normalizer="valid")
   logp, logp_old, advantages, mask = check_arrays(
     fn, {"logp": logp, "logp_old": logp_old, "advantages": advantages, "mask": mask}
   )
+  clip_eps = _positive(fn, "clip_eps", clip_eps)
   valid = mask != 0
   n_valid = valid.sum().astype(jnp.float32)
   denom = _denominator(fn, normalizer, n_valid, n_kept=n_valid)
@@ -248,6 +260,7 @@ def gspo_loss(
   logp, logp_old, logp_rollout, advantages, mask = check_arrays(
     fn, {"logp": logp, "logp_old": logp_old, "logp_rollout": logp_rollout, "advantages": advantages, "mask": mask}
   )
+  clip_eps = _positive(fn, "clip_eps", clip_eps)
   keep, info = mis_mask(logp_old, logp_rollout, mask, token_bounds, traj_bounds, rho_tokens)
   valid, nonempty, n_seq = info["valid"], info["nonempty"], info["n_valid"]
   denom = _denominator(fn, normalizer, valid.sum().astype(jnp.float32), keep.sum())
@@ -289,8 +302,7 @@ def tis_loss(logp, logp_old, logp_rollout, advantages, mask, cap=2.0, normalizer
   logp, logp_old, logp_rollout, advantages, mask = check_arrays(
     fn, {"logp": logp, "logp_old": logp_old, "logp_rollout": logp_rollout, "advantages": advantages, "mask": mask}
   )
-  if not cap > 0:
-    raise ValueError(f"{fn}: cap must be > 0, got {cap!r}")
+  cap = _positive(fn, "cap", cap)
   valid = mask != 0
   n_valid = valid.sum().astype(jnp.float32)
   denom = _denominator(fn, normalizer, n_valid, n_kept=n_valid)
@@ -353,8 +365,7 @@ def value_loss(values, returns, mask, old_values=None, clip=None, normalizer="va
   if clip is not None:
     if old_values is None:
       raise ValueError(f"{fn}: clip={clip!r} needs old_values")
-    if not clip > 0:
-      raise ValueError(f"{fn}: clip must be > 0, got {clip!r}")
+    clip = _positive(fn, "clip", clip)
   valid = mask != 0
   n_valid = valid.sum().astype(jnp.float32)
   denom = _denominator(fn, normalizer, n_valid)
