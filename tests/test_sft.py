@@ -168,6 +168,8 @@ def test_bad_config_is_a_one_line_error(tmp_path, flag, message):
     ("rl.traj_bounds", ("a", "b"), r"config field 'rl.traj_bounds': need a pair"),
     ("rl.traj_bounds", (1.001, 0.996), r"config field 'rl.traj_bounds'.*0 < low <= 1 <= high"),
     ("train.steps", True, r"config field 'train.steps': must be > 0, got True"),
+    ("rl.ppo_clip", -0.2, r"config field 'rl.ppo_clip': must be > 0, got -0.2"),
+    ("rl.tis_cap", 0.0, r"config field 'rl.tis_cap': must be > 0, got 0.0"),
   ],
 )
 def test_bad_run_field_is_named(field, value, message):

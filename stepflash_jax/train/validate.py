@@ -156,6 +156,9 @@ def _check_rl(c):
       "critic_lr",
       "actor_minibatches",
       "critic_minibatches",
+      "ppo_clip",
+      "gspo_clip",
+      "tis_cap",
     ],
   )
   n = r.prompts_per_step * r.samples_per_prompt
