@@ -7,27 +7,26 @@ import jax
 import jax.numpy as jnp
 
 
+def _as_array(x):
+  """x itself when it has a dtype and a shape, else jnp.asarray(x); None when it is no array (a str, None, a dict,
+  a ragged list)."""
+  if getattr(x, "dtype", None) is not None and getattr(x, "shape", None) is not None:
+    return x
+  try:
+    return jnp.asarray(x)
+  except (TypeError, ValueError):
+    return None
+
+
 def desc(x) -> str:
-  dtype = getattr(x, "dtype", None)
-  shape = getattr(x, "shape", None)
-  if dtype is None or shape is None:
-    try:
-      x = jnp.asarray(x)
-    except TypeError:  # a str, None, a ragged list: not an array at all
-      return type(x).__name__
-    dtype, shape = x.dtype, x.shape
-  return f"{jnp.dtype(dtype).name}{list(shape)}"
+  a = _as_array(x)
+  return type(x).__name__ if a is None else f"{jnp.dtype(a.dtype).name}{list(a.shape)}"
 
 
 def _numeric(x) -> bool:
-  """An array (or nested list) of numbers or bools, not a str, None or ragged list."""
-  dtype = getattr(x, "dtype", None)
-  if dtype is None:
-    try:
-      dtype = jnp.asarray(x).dtype
-    except TypeError:
-      return False
-  return jnp.dtype(dtype) == jnp.bool_ or jnp.issubdtype(dtype, jnp.number)
+  """An array (or nested list) of numbers or bools."""
+  a = _as_array(x)
+  return a is not None and (jnp.dtype(a.dtype) == jnp.bool_ or jnp.issubdtype(a.dtype, jnp.number))
 
 
 def fail(fn: str, problem: str, arrays: dict):
@@ -59,11 +58,12 @@ def check_arrays(
   shown = {**arrays, **(context or {})}
   dtypes = []
   ref_name = next(iter(arrays))
-  ref_shape = tuple(shape) if shape is not None else tuple(jnp.shape(arrays[ref_name]))
-  want = f" {expect}" if expect else ""
   for name, x in arrays.items():
     if not _numeric(x):
       fail(fn, f"{name} must be a numeric array, got {type(x).__name__}", shown)
+  ref_shape = tuple(shape) if shape is not None else tuple(jnp.shape(arrays[ref_name]))
+  want = f" {expect}" if expect else ""
+  for name, x in arrays.items():
     x_shape = tuple(jnp.shape(x))
     if len(x_shape) != ndim:
       fail(fn, f"{name} must have rank {ndim}{want}, has shape {list(x_shape)}", shown)
